@@ -1,0 +1,402 @@
+"""Typed run configuration: YAML recipes plus ``key=value`` overrides.
+
+Every field has a default and one line of help (``python train.py --help``
+prints them all). Loading is strict, in the spirit of torchtune recipes and
+TRL's config dataclasses: an unknown key is an error that names the closest
+valid key, a value of the wrong type names the field and the expected type,
+and a missing file says so. ``save_resolved`` writes the final config into
+``run.dir`` with secrets redacted.
+
+    cfg = load_config("configs/quickstart.yaml", ["trainer.max_steps=5"])
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as a single line that says what to fix."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with a default and its one line of help."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    if dataclasses.is_dataclass(default) and isinstance(default, type):
+        return field(default_factory=default, metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+# ---------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("aflow_rl", "Run name; also the default folder under runs/.")
+    dir: str = _f("", "Everything the run writes goes below this folder (empty: runs/<name>).")
+    seed: int = _f(0, "Global seed for tasks, sampling and initialisation.")
+
+
+@dataclass
+class ServerConfig:
+    backend: Literal["embedded", "sglang", "external", "none"] = _f(
+        "embedded", "embedded (CPU server in this package) | sglang (launch_server) | external (URLs) | none.")
+    model_path: str = _f("", "Hugging Face model directory served by this role.")
+    urls: list[str] = _f([], "external backend: server base URLs, e.g. http://10.0.0.5:30000.")
+    num_servers: int = _f(1, "How many server processes to start for this role (load-balanced).")
+    host: str = _f("127.0.0.1", "Address the started servers bind to.")
+    port: int = _f(0, "First port for started servers (0: pick free ports).")
+    tp: int = _f(1, "sglang: tensor-parallel size per server.")
+    mem_fraction: float = _f(0.8, "sglang: --mem-fraction-static.")
+    dtype: str = _f("auto", "Weights dtype on the server: auto | float32 | bfloat16 | float16.")
+    context_length: int = _f(0, "Maximum prompt+output tokens (0: the model's max_position_embeddings).")
+    max_batch_size: int = _f(64, "embedded: most sequences decoded together in one batch.")
+    extra_args: list[str] = _f([], "sglang: extra command-line arguments for launch_server.")
+    router: bool = _f(False, "sglang: put the servers behind sglang_router and use its URL as the endpoint.")
+    startup_timeout_s: float = _f(300.0, "Seconds to wait for /health before giving up.")
+
+
+@dataclass
+class ServingConfig:
+    policy: ServerConfig = _f(ServerConfig, "The trained orchestrator's servers.")
+    actor: ServerConfig = _f(ServerConfig, "The frozen actor / subagent / executor servers.")
+
+
+@dataclass
+class ClientConfig:
+    provider: Literal["sglang", "openai", "anthropic"] = _f(
+        "sglang", "sglang (native /generate, token ids + logprobs) | openai (chat API) | anthropic (Messages API).")
+    base_url: str = _f("", "Endpoint base URL (empty: the URL of the servers started for this role).")
+    model: str = _f("", "Model name sent to OpenAI-compatible or Anthropic APIs.")
+    api_key_env: str = _f("", "Environment variable holding the API key (required for anthropic and remote openai).")
+    timeout_s: float = _f(120.0, "Per-request timeout in seconds.")
+    max_retries: int = _f(3, "Retries on connection errors, 429 and 5xx (never on other 4xx).")
+    backoff_s: float = _f(0.5, "Base of the jittered exponential backoff between retries.")
+    max_concurrency: int = _f(64, "Most requests in flight per endpoint from one process.")
+
+
+@dataclass
+class LLMConfig:
+    policy: ClientConfig = _f(ClientConfig, "Client for the orchestrator (training needs provider=sglang).")
+    actor: ClientConfig = _f(ClientConfig, "Client for the actor / subagents / executor.")
+
+
+@dataclass
+class RolloutConfig:
+    worker: str = _f("workers.swarm_worker:run_episode", "Episode function as module:function (module must be importable).")
+    backend: Literal["loky", "threading", "sequential", "dask"] = _f(
+        "loky", "joblib backend: loky (processes) | threading | sequential (debug) | dask (many machines).")
+    workers: int = _f(2, "Worker processes (or threads).")
+    concurrency_per_worker: int = _f(16, "Episodes run at once inside one worker with asyncio.")
+    episode_timeout_s: float = _f(300.0, "Wall-clock limit of one episode attempt.")
+    max_attempts: int = _f(2, "Attempts per episode before it is returned as failed.")
+    dask_address: str = _f("", "dask backend: scheduler address, e.g. tcp://10.0.0.1:8786.")
+    group_size: int = _f(4, "Episodes per task (G): one GRPO/GiGPO group.")
+    tasks_per_step: int = _f(4, "Tasks per iteration (B); B x G episodes per rollout.")
+    trace: bool = _f(True, "Append step events as JSONL under run.dir/traces.")
+
+
+@dataclass
+class SwarmEnvConfig:
+    suite: Literal["wide", "deep", "mixed"] = _f("wide", "Task family: wide (independent items) | deep (dependent hops) | mixed.")
+    min_items: int = _f(3, "Fewest items (or hops) in a generated task.")
+    max_items: int = _f(6, "Most items (or hops) in a generated task.")
+    subagents: Literal["simulated", "llm"] = _f("simulated", "Subagent pool: simulated profiles or the actor LLM.")
+    max_steps: int = _f(12, "Orchestrator turns per episode.")
+    max_concurrent_subagents: int = _f(8, "Cap on subagents running at once.")
+    max_tool_calls: int = _f(16, "Tool-call budget per episode.")
+    max_tokens: int = _f(20000, "Token budget (orchestrator + subagents) per episode.")
+    max_wall_s: float = _f(120.0, "Wall-clock budget per episode.")
+    subtask_retries: int = _f(1, "Automatic retries of a failed subtask.")
+    format_penalty: float = _f(-0.1, "Reward added for each unparseable or invalid action.")
+
+
+@dataclass
+class PlanActConfig:
+    dataset: str = _f("basic_arithmetic", "reasoning-gym dataset name for plan_act tasks.")
+    timeout_s: float = _f(30.0, "Seconds the planner has to answer before the fallback.")
+    fallback_on_timeout: bool = _f(True, "On planner timeout, let the actor solve the task alone.")
+    max_plan_tokens: int = _f(256, "Most tokens in a plan.")
+    max_act_tokens: int = _f(128, "Most tokens per actor step.")
+
+
+@dataclass
+class EnvConfig:
+    name: Literal["swarm", "aflow"] = _f("swarm", "Environment family.")
+    mode: Literal["swarm", "plan_act"] = _f("swarm", "swarm: spawn/assign/join orchestration | plan_act: planner + actor.")
+    temperature: float = _f(1.0, "Orchestrator sampling temperature (the trainer recomputes logprobs with it).")
+    max_new_tokens: int = _f(96, "Most tokens per orchestrator turn.")
+    swarm: SwarmEnvConfig = _f(SwarmEnvConfig, "Swarm environment.")
+    plan_act: PlanActConfig = _f(PlanActConfig, "Plan/Act mode.")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = _f(10, "Optimizer steps to run.")
+    lr: float = _f(1e-5, "Peak learning rate (AdamW).")
+
+
+@dataclass
+class Config:
+    run: RunConfig = _f(RunConfig, "Run identity and output folder.")
+    resume: str = _f("auto", "auto (newest complete checkpoint in run.dir) | never | a checkpoint path.")
+    serving: ServingConfig = _f(ServingConfig, "Inference servers per role.")
+    llm: LLMConfig = _f(LLMConfig, "Inference clients per role.")
+    rollout: RolloutConfig = _f(RolloutConfig, "Episode pool.")
+    env: EnvConfig = _f(EnvConfig, "Environment.")
+    trainer: TrainerConfig = _f(TrainerConfig, "Optimisation.")
+
+    @property
+    def run_dir(self) -> str:
+        return self.run.dir or os.path.join("runs", self.run.name)
+
+
+# ---------------------------------------------------------------------------
+# Loading and validation
+# ---------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list, dict):
+        return repr(tp).replace("typing.", "")
+    return getattr(tp, "__name__", repr(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}: expected one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(value, arm, key)
+            except ConfigError:
+                pass
+        raise bad
+    if tp is type(None):
+        if value is None:
+            return None
+        raise bad
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if tp is Any:
+        return value
+    raise bad  # pragma: no cover - every annotation above is handled
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    """Instantiate dataclass ``cls`` from a nested dict, strictly."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = prefix + str(key)
+        if key not in names:
+            valid = [prefix + n for n in names]
+            close = difflib.get_close_matches(full, valid, n=1, cutoff=0.5) or difflib.get_close_matches(
+                full, all_keys(), n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
+            raise ConfigError(f"unknown config key '{full}': {hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, full + ".")
+        else:
+            kwargs[key] = _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the config, in declaration order."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += all_keys(hints[f.name], prefix + f.name + ".")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not key=value (e.g. trainer.lr=1e-6)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{item}' has an empty key")
+    # YAML parses numbers, booleans, lists ([a, b]) and null; a bare word stays a string.
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    # YAML 1.1 reads 1e-6 as a string; a float field deserves the float.
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
+        value = float(value)
+    return key.split("."), value
+
+
+def _merge(base: dict, path: list[str], value: Any) -> None:
+    node = base
+    for part in path[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[path[-1]] = value
+
+
+def _fix_yaml_floats(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _fix_yaml_floats(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fix_yaml_floats(v) for v in node]
+    if isinstance(node, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", node.strip()):
+        return float(node)
+    return node
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML recipe (optional), apply ``key=value`` overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path} (configs/ has the shipped recipes)")
+        with open(path) as fh:
+            try:
+                data = yaml.safe_load(fh) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    data = _fix_yaml_floats(data)
+    for item in overrides:
+        keys, value = _parse_override(item)
+        _merge(data, keys, value)
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express."""
+    positive = {
+        "trainer.max_steps": cfg.trainer.max_steps,
+        "rollout.workers": cfg.rollout.workers,
+        "rollout.concurrency_per_worker": cfg.rollout.concurrency_per_worker,
+        "rollout.max_attempts": cfg.rollout.max_attempts,
+        "rollout.group_size": cfg.rollout.group_size,
+        "rollout.tasks_per_step": cfg.rollout.tasks_per_step,
+        "env.swarm.max_steps": cfg.env.swarm.max_steps,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be at least 1, got {value}")
+    if cfg.env.swarm.min_items > cfg.env.swarm.max_items:
+        raise ConfigError("env.swarm.min_items must not exceed env.swarm.max_items")
+    if cfg.resume not in ("auto", "never") and not cfg.resume:
+        raise ConfigError("resume: use auto, never, or a checkpoint path")
+    for role in ("policy", "actor"):
+        server: ServerConfig = getattr(cfg.serving, role)
+        if server.backend == "external" and not server.urls:
+            raise ConfigError(f"serving.{role}.urls: the external backend needs at least one URL")
+        if server.backend in ("embedded", "sglang") and not server.model_path:
+            raise ConfigError(f"serving.{role}.model_path: the {server.backend} backend needs a model directory")
+        if server.num_servers < 1:
+            raise ConfigError(f"serving.{role}.num_servers: must be at least 1")
+    if cfg.rollout.backend == "dask" and not cfg.rollout.dask_address:
+        raise ConfigError("rollout.dask_address: the dask backend needs a scheduler address (tcp://host:8786)")
+    if ":" not in cfg.rollout.worker:
+        raise ConfigError(f"rollout.worker: expected module:function, got {cfg.rollout.worker!r}")
+
+
+# ---------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------
+
+# A key *named* like a secret (api_key, hf_token, db_password); not api_key_env, which names a variable.
+_SECRET = re.compile(r"(^|_)(api_key|secret|password|passwd|token)$", re.I)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def redact(data: Any, key: str = "") -> Any:
+    """Replace secret-looking values (api keys, passwords, credentials in URLs)."""
+    if isinstance(data, dict):
+        return {k: redact(v, str(k)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact(v, key) for v in data]
+    if isinstance(data, str):
+        if data and _SECRET.search(key):
+            return "***"
+        return re.sub(r"(://[^/:@\s]+:)[^@/\s]+@", r"\1***@", data)
+    return data
+
+
+def save_resolved(cfg: Config, path: str | None = None) -> str:
+    """Write the resolved config (secrets redacted) as YAML; return its path."""
+    path = path or os.path.join(cfg.run_dir, "config.yaml")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as fh:
+        yaml.safe_dump(redact(to_dict(cfg)), fh, sort_keys=False)
+    return path
+
+
+def format_help(cls: type = Config, prefix: str = "") -> str:
+    """One line per key: name, type, default, help."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"\n[{prefix}{f.name}]  {f.metadata.get('help', '')}")
+            lines.append(format_help(tp, prefix + f.name + "."))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {prefix + f.name:<42} {_type_name(tp):<28} = {default!r:<14}  {f.metadata.get('help', '')}")
+    return "\n".join(lines)

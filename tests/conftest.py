@@ -1,0 +1,36 @@
+"""Shared fixtures: the tiny model (built once per session), a gpu marker that skips without CUDA."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Qwen2 + BPE tokenizer, built offline once per test session."""
+    from aflow_rl.models.tiny import build
+
+    return build(str(tmp_path_factory.mktemp("models") / "tiny"), preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b(tmp_path_factory):
+    """Same architecture and tokenizer family, other weights (seed 1)."""
+    from aflow_rl.models.tiny import build
+
+    return build(str(tmp_path_factory.mktemp("models_b") / "tiny"), preset="tiny", seed=1)

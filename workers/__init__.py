@@ -1,0 +1,1 @@
+"""Importable worker modules: each exposes init_worker(ctx) and run_episode(task, ctx)."""
