@@ -62,9 +62,12 @@ class ServerConfig:
     dtype: str = _f("auto", "Weights dtype on the server: auto | float32 | bfloat16 | float16.")
     context_length: int = _f(0, "Maximum prompt+output tokens (0: the model's max_position_embeddings).")
     max_batch_size: int = _f(64, "embedded: most sequences decoded together in one batch.")
+    threads: int = _f(0, "embedded: torch CPU threads per server process (0: torch's default).")
+    base_gpu_id: int = _f(0, "sglang: first GPU of this role; server i uses GPUs base_gpu_id + i*tp onwards.")
     extra_args: list[str] = _f([], "sglang: extra command-line arguments for launch_server.")
     router: bool = _f(False, "sglang: put the servers behind sglang_router and use its URL as the endpoint.")
     startup_timeout_s: float = _f(300.0, "Seconds to wait for /health before giving up.")
+    stop_grace_s: float = _f(10.0, "Seconds between SIGTERM and SIGKILL when stopping started servers.")
 
 
 @dataclass
@@ -79,11 +82,13 @@ class ClientConfig:
         "sglang", "sglang (native /generate, token ids + logprobs) | openai (chat API) | anthropic (Messages API).")
     base_url: str = _f("", "Endpoint base URL (empty: the URL of the servers started for this role).")
     model: str = _f("", "Model name sent to OpenAI-compatible or Anthropic APIs.")
-    api_key_env: str = _f("", "Environment variable holding the API key (required for anthropic and remote openai).")
-    timeout_s: float = _f(120.0, "Per-request timeout in seconds.")
+    api_key_env: str = _f("", "Env var with the API key; if set it must exist. Empty: no key (anthropic and openai on a non-local/non-private host then fail at start-up).")
+    timeout_s: float = _f(120.0, "Deadline of one request in seconds, retries and backoff included.")
     max_retries: int = _f(3, "Retries on connection errors, 429 and 5xx (never on other 4xx).")
     backoff_s: float = _f(0.5, "Base of the jittered exponential backoff between retries.")
     max_concurrency: int = _f(64, "Most requests in flight per endpoint from one process.")
+    balance: Literal["least_in_flight", "round_robin"] = _f(
+        "least_in_flight", "How requests spread over several URLs: least_in_flight | round_robin.")
 
 
 @dataclass
@@ -142,9 +147,51 @@ class EnvConfig:
 
 
 @dataclass
+class ParlConfig:
+    lambda1: float = _f(0.1, "Initial weight of r_parallel (PARL instantiation reward).")
+    lambda2: float = _f(0.1, "Initial weight of r_finish (PARL sub-task completion reward).")
+    anneal_steps: int = _f(100, "Optimizer steps over which lambda1 and lambda2 fall linearly to 0.")
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: Literal["grpo", "gigpo"] = _f("grpo", "Advantage estimator: grpo (episode groups) | gigpo (+ anchor-state step groups).")
+    norm_std: bool = _f(True, "GRPO: divide by the group's sample std (False: mean-centering only).")
+    gamma: float = _f(1.0, "GiGPO: discount of the step return R_t.")
+    omega: float = _f(1.0, "GiGPO: weight of the step advantage A^S.")
+    gigpo_mode: Literal["mean_norm", "mean_std_norm"] = _f("mean_norm", "GiGPO normaliser F: 1 (mean_norm) or std+eps (mean_std_norm).")
+    clip_low: float = _f(0.2, "PPO-clip lower epsilon: ratio >= 1 - clip_low.")
+    clip_high: float = _f(0.28, "PPO-clip upper epsilon: ratio <= 1 + clip_high (clip-higher).")
+    kl_coef: float = _f(0.0, "KL penalty to the frozen reference (0: no reference model is loaded).")
+    kl_estimator: Literal["k1", "k3"] = _f("k3", "KL estimator: k1 (log ratio) | k3 (unbiased, non-negative).")
+    entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
+    loss_agg: Literal["token_mean", "seq_mean"] = _f("token_mean", "Loss aggregation: mean over tokens | mean of per-sequence means.")
+    importance_cap: float = _f(2.0, "Cap C of the truncated importance weight min(exp(logp_trainer - logp_server), C); 0 disables.")
+    parl: ParlConfig = _f(ParlConfig, "PARL reward shaping.")
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = _f(10, "Optimizer steps to run.")
     lr: float = _f(1e-5, "Peak learning rate (AdamW).")
+    min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
+    warmup_steps: int = _f(0, "Linear warmup steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
+    grad_clip: float = _f(1.0, "Gradient-norm clipping (0 disables).")
+    micro_batch_size: int = _f(4, "Sequences per forward/backward on one rank.")
+    grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step on one rank.")
+    ppo_epochs: int = _f(1, "Passes over each rollout batch.")
+    zero_stage: int = _f(0, "DeepSpeed ZeRO stage 0-3.")
+    precision: Literal["fp32", "bf16"] = _f("fp32", "Training precision (bf16 on GPUs).")
+    deepspeed_config: str = _f("", "Path to a DeepSpeed JSON; its keys override the ones built from this section.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    sync_every: int = _f(1, "Push weights to the policy servers every N optimizer steps.")
+    save_every: int = _f(50, "Checkpoint every N optimizer steps (and at the end).")
+    keep_last: int = _f(3, "Checkpoints kept (older ones are deleted).")
+    log_every: int = _f(1, "TensorBoard scalars every N steps.")
+    sample_every: int = _f(10, "TensorBoard text samples of episodes every N steps.")
+    sync_timeout_s: float = _f(120.0, "Seconds a weight sync may take before it is an error.")
 
 
 @dataclass
@@ -155,6 +202,7 @@ class Config:
     llm: LLMConfig = _f(LLMConfig, "Inference clients per role.")
     rollout: RolloutConfig = _f(RolloutConfig, "Episode pool.")
     env: EnvConfig = _f(EnvConfig, "Environment.")
+    algo: AlgoConfig = _f(AlgoConfig, "Advantages, loss and reward shaping.")
     trainer: TrainerConfig = _f(TrainerConfig, "Optimisation.")
 
     @property
@@ -343,8 +391,6 @@ def validate(cfg: Config) -> None:
         server: ServerConfig = getattr(cfg.serving, role)
         if server.backend == "external" and not server.urls:
             raise ConfigError(f"serving.{role}.urls: the external backend needs at least one URL")
-        if server.backend in ("embedded", "sglang") and not server.model_path:
-            raise ConfigError(f"serving.{role}.model_path: the {server.backend} backend needs a model directory")
         if server.num_servers < 1:
             raise ConfigError(f"serving.{role}.num_servers: must be at least 1")
     if cfg.rollout.backend == "dask" and not cfg.rollout.dask_address:
