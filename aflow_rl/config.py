@@ -53,6 +53,7 @@ class ServerConfig:
     backend: Literal["embedded", "sglang", "external", "none"] = _f(
         "embedded", "embedded (CPU server in this package) | sglang (launch_server) | external (URLs) | none.")
     model_path: str = _f("", "Hugging Face model directory served by this role.")
+    build_tiny: str = _f("", "tiny | small: if model_path holds no model, build the offline tiny model there first.")
     urls: list[str] = _f([], "external backend: server base URLs, e.g. http://10.0.0.5:30000.")
     num_servers: int = _f(1, "How many server processes to start for this role (load-balanced).")
     host: str = _f("127.0.0.1", "Address the started servers bind to.")
@@ -125,6 +126,11 @@ class SwarmEnvConfig:
     max_wall_s: float = _f(120.0, "Wall-clock budget per episode.")
     subtask_retries: int = _f(1, "Automatic retries of a failed subtask.")
     format_penalty: float = _f(-0.1, "Reward added for each unparseable or invalid action.")
+    policy: Literal["model", "single", "heuristic", "bandit"] = _f(
+        "model", "Orchestrator: model (policy server) | single | heuristic | bandit (baselines, no server).")
+    action_schema: bool = _f(True, "Constrain model turns with the action JSON schema (false: free text).")
+    kb_seed: int = _f(0, "Seed of the local knowledge base that tasks are asked about.")
+    bandit_latency_coef: float = _f(0.02, "bandit baseline: its reward is item_f1 - coef * critical_steps.")
 
 
 @dataclass
@@ -134,6 +140,9 @@ class PlanActConfig:
     fallback_on_timeout: bool = _f(True, "On planner timeout, let the actor solve the task alone.")
     max_plan_tokens: int = _f(256, "Most tokens in a plan.")
     max_act_tokens: int = _f(128, "Most tokens per actor step.")
+    max_steps: int = _f(4, "Most plan steps the actor executes (later steps merge into the last).")
+    actor_temperature: float = _f(0.0, "Sampling temperature of the frozen actor (0: greedy).")
+    format_penalty: float = _f(-0.1, "Reward added when the plan is empty or has no numbered steps.")
 
 
 @dataclass

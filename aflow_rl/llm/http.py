@@ -18,6 +18,7 @@ loop-bound state is created lazily and rebuilt when the running loop changes.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import random
 import time
@@ -115,7 +116,10 @@ class HTTPTransport:
             # awaited from here, so it is dropped and its sockets closed by GC.
             limits = httpx.Limits(max_connections=self.max_concurrency * len(self.endpoints),
                                   max_keepalive_connections=self.max_concurrency * len(self.endpoints))
-            client = httpx.AsyncClient(headers=self.headers, limits=limits, timeout=None,
+            # Loading CA certificates costs ~0.1-0.4 s per client; plain-http endpoints
+            # (every local server) never use them, so they are loaded only for https.
+            tls = any(e.url.startswith("https://") for e in self.endpoints)
+            client = httpx.AsyncClient(headers=self.headers, limits=limits, timeout=None, verify=tls,
                                        transport=self._transport, trust_env=False)
             self._state = _LoopState(loop, client, {e.url: asyncio.Semaphore(self.max_concurrency)
                                                     for e in self.endpoints})
@@ -156,11 +160,12 @@ class HTTPTransport:
         otherwise the balancer picks. ``timeout_s`` overrides the deadline of
         this call; ``retry=False`` makes a single attempt (health probes).
         """
+        start = time.monotonic()
         state = self._loop_state()
         deadline_s = self.timeout_s if timeout_s is None else float(timeout_s)
         pinned = self._endpoint(url) if url is not None else None
         attempts = 1 + (self.max_retries if retry else 0)
-        start = time.monotonic()
+        tried = 0
         last_url, last_err, last_status = "", "", None
 
         for attempt in range(attempts):
@@ -177,6 +182,7 @@ class HTTPTransport:
                         last_url, last_err = ep.url, "no free slot before the deadline"
                         break
                     ep.sent += 1
+                    tried += 1
                     # wait_for bounds the whole exchange; httpx's own timeouts are per phase.
                     resp = await asyncio.wait_for(
                         state.client.request(method, full, json=json), timeout=remaining)
@@ -210,7 +216,6 @@ class HTTPTransport:
                 break  # the next attempt could not finish in time anyway
             await asyncio.sleep(delay)
 
-        tried = attempt + 1
         where = f"{method} {last_url + path if last_url else path}"
         raise LLMError(f"{where} failed after {tried} attempt{'s' * (tried > 1)} "
                        f"in {time.monotonic() - start:.1f}s: {last_err or 'deadline passed'}",
@@ -247,8 +252,6 @@ def _retry_after_s(resp: httpx.Response) -> float | None:
 
 def is_local_url(url: str) -> bool:
     """Loopback, ``localhost`` or a private-network IP: a server we or our cluster run."""
-    import ipaddress
-
     host = (urlsplit(normalize_url(url)).hostname or "").lower()
     if host in ("localhost", "") or host.endswith(".localhost"):
         return True

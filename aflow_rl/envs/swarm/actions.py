@@ -1,0 +1,187 @@
+"""The orchestrator's action space (Kimi K2.5 Agent Swarm) as one JSON object per turn.
+
+    {"action": "spawn", "n": 3, "profile": "medium", "subtasks": ["w0", "w1", "w2"]}
+    {"action": "assign", "subagent": 0, "subtask": "w3"}
+    {"action": "join", "ids": [0, 1]}                      # [] joins every subagent
+    {"action": "tool_call", "tool": "lookup", "args": {"entity": "Arvenia", "attribute": "capital"}}
+    {"action": "replan", "scope": "failed"}               # failed | remaining | all
+    {"action": "finish", "answer": {"w0": "51234", "w1": "Tolmar"}}
+
+``ACTION_SCHEMA`` is what the policy server constrains generation with;
+``parse_action`` checks the same rules on any text, because a turn generated
+without the constraint (or truncated by ``max_new_tokens``) can be anything.
+Parsing never raises: it returns either an Action or the reason there is none,
+and the episode charges a format penalty for the latter.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from aflow_rl.envs.swarm.profiles import PROFILE_NAMES
+from aflow_rl.envs.swarm.tools import TOOLS
+
+ACTIONS = ("spawn", "assign", "join", "tool_call", "replan", "finish")
+REPLAN_SCOPES = ("failed", "remaining", "all")
+MAX_SPAWN = 64  # per action; the runtime's concurrency cap is usually lower and checked there
+
+
+def _variant(name: str, props: dict, required: list[str]) -> dict:
+    return {"type": "object", "properties": {"action": {"type": "string", "enum": [name]}, **props},
+            "required": ["action", *required], "additionalProperties": False}
+
+
+_TOOL_ARGS = {"type": "object",
+              "properties": {a: {"type": "string"} for tool in TOOLS for a in TOOLS[tool]},
+              "additionalProperties": False}
+
+ACTION_SCHEMA: dict = {"anyOf": [
+    _variant("spawn", {"n": {"type": "integer", "minimum": 1, "maximum": MAX_SPAWN},
+                       "profile": {"type": "string", "enum": list(PROFILE_NAMES)},
+                       "subtasks": {"type": "array", "items": {"type": "string"}}},
+             ["n", "profile", "subtasks"]),
+    _variant("assign", {"subagent": {"type": "integer", "minimum": 0}, "subtask": {"type": "string"}},
+             ["subagent", "subtask"]),
+    _variant("join", {"ids": {"type": "array", "items": {"type": "integer", "minimum": 0}}}, ["ids"]),
+    _variant("tool_call", {"tool": {"type": "string", "enum": list(TOOLS)}, "args": _TOOL_ARGS},
+             ["tool", "args"]),
+    _variant("replan", {"scope": {"type": "string", "enum": list(REPLAN_SCOPES)}}, ["scope"]),
+    _variant("finish", {"answer": {"anyOf": [{"type": "string"},
+                                             {"type": "object", "additionalProperties": {"type": "string"}}]}},
+             ["answer"]),
+]}
+
+_FIELDS = {"spawn": {"n", "profile", "subtasks"}, "assign": {"subagent", "subtask"}, "join": {"ids"},
+           "tool_call": {"tool", "args"}, "replan": {"scope"}, "finish": {"answer"}}
+
+
+@dataclass(frozen=True)
+class Action:
+    """A well-formed action; which fields are set depends on ``kind``."""
+
+    kind: str
+    n: int = 0
+    profile: str = ""
+    subtasks: tuple[str, ...] = ()
+    subagent: int = -1
+    subtask: str = ""
+    ids: tuple[int, ...] = ()
+    tool: str = ""
+    args: dict = field(default_factory=dict)
+    scope: str = ""
+    answer: Any = None
+
+    def to_json(self) -> str:
+        """The canonical JSON of this action (what a baseline policy emits)."""
+        body: dict[str, Any] = {"action": self.kind}
+        for name in sorted(_FIELDS[self.kind], key=["n", "profile", "subtasks", "subagent", "subtask", "ids",
+                                                     "tool", "args", "scope", "answer"].index):
+            value = getattr(self, name)
+            body[name] = list(value) if isinstance(value, tuple) else value
+        return json.dumps(body)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """``action`` when the text was a valid action, else ``error`` says what was wrong."""
+
+    action: Action | None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.action is not None
+
+
+def first_json_object(text: str) -> Any:
+    """The first JSON value that starts at a ``{`` in ``text`` (models like to add prose around it)."""
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start != -1:
+        try:
+            return decoder.raw_decode(text, start)[0]
+        except json.JSONDecodeError:
+            start = text.find("{", start + 1)
+    raise ValueError("no JSON object in the text")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _nonempty_str(x: Any) -> bool:
+    return isinstance(x, str) and bool(x.strip())
+
+
+def _check(body: dict) -> Action:
+    """Build the Action of a decoded object or raise ValueError naming the problem."""
+    kind = body.get("action")
+    if kind not in ACTIONS:
+        raise ValueError(f"'action' must be one of {', '.join(ACTIONS)}, got {kind!r}")
+    extra = set(body) - _FIELDS[kind] - {"action"}
+    if extra:
+        raise ValueError(f"{kind}: unknown field(s) {', '.join(sorted(extra))}")
+    missing = _FIELDS[kind] - set(body)
+    if missing:
+        raise ValueError(f"{kind}: missing field(s) {', '.join(sorted(missing))}")
+    if kind == "spawn":
+        n, profile, subtasks = body["n"], body["profile"], body["subtasks"]
+        if not _is_int(n) or not 1 <= n <= MAX_SPAWN:
+            raise ValueError(f"spawn: n must be an integer in 1..{MAX_SPAWN}, got {n!r}")
+        if profile not in PROFILE_NAMES:
+            raise ValueError(f"spawn: profile must be one of {', '.join(PROFILE_NAMES)}, got {profile!r}")
+        if not isinstance(subtasks, list) or not all(_nonempty_str(s) for s in subtasks):
+            raise ValueError("spawn: subtasks must be a list of item ids (strings)")
+        return Action(kind, n=n, profile=profile, subtasks=tuple(s.strip() for s in subtasks))
+    if kind == "assign":
+        if not _is_int(body["subagent"]) or body["subagent"] < 0:
+            raise ValueError(f"assign: subagent must be a subagent id (integer >= 0), got {body['subagent']!r}")
+        if not _nonempty_str(body["subtask"]):
+            raise ValueError("assign: subtask must be an item id (string)")
+        return Action(kind, subagent=body["subagent"], subtask=body["subtask"].strip())
+    if kind == "join":
+        ids = body["ids"]
+        if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError("join: ids must be a list of subagent ids (integers >= 0)")
+        return Action(kind, ids=tuple(ids))
+    if kind == "tool_call":
+        tool, args = body["tool"], body["args"]
+        if tool not in TOOLS:
+            raise ValueError(f"tool_call: tool must be one of {', '.join(TOOLS)}, got {tool!r}")
+        if not isinstance(args, dict):
+            raise ValueError("tool_call: args must be an object")
+        bad = [a for a in TOOLS[tool] if not _nonempty_str(args.get(a))]
+        if bad or set(args) - set(TOOLS[tool]):
+            raise ValueError(f"tool_call: {tool} takes exactly the string args {', '.join(TOOLS[tool])}")
+        return Action(kind, tool=tool, args={a: args[a] for a in TOOLS[tool]})
+    if kind == "replan":
+        if body["scope"] not in REPLAN_SCOPES:
+            raise ValueError(f"replan: scope must be one of {', '.join(REPLAN_SCOPES)}, got {body['scope']!r}")
+        return Action(kind, scope=body["scope"])
+    answer = body["answer"]
+    if isinstance(answer, dict):
+        if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in answer.values()):
+            raise ValueError("finish: answer values must be strings or numbers")
+        return Action(kind, answer={str(k): str(v) for k, v in answer.items()})
+    if isinstance(answer, (str, int, float)) and not isinstance(answer, bool):
+        return Action(kind, answer=str(answer))
+    raise ValueError("finish: answer must be a string or an object {item_id: value}")
+
+
+def parse_action(text: Any) -> Parsed:
+    """Parse one orchestrator turn. Never raises; an invalid turn gives ``Parsed(None, error)``."""
+    try:
+        if not isinstance(text, str) or not text.strip():
+            return Parsed(None, "empty turn: expected one JSON action")
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError:
+            body = first_json_object(text)
+        if not isinstance(body, dict):
+            return Parsed(None, f"expected a JSON object, got {type(body).__name__}")
+        return Parsed(_check(body))
+    except (ValueError, TypeError, RecursionError) as exc:
+        return Parsed(None, str(exc) or type(exc).__name__)
+    except Exception as exc:  # a parser bug must cost a penalty, not the episode
+        return Parsed(None, f"unparseable action ({type(exc).__name__}: {exc})")

@@ -1,0 +1,318 @@
+"""Worker side of the rollout pool: load the worker module, run episodes, serve a link.
+
+This code runs wherever episodes run: in a loky worker process, in a dask
+worker, in a thread (threading backend) or in the caller (sequential). The
+parent side (``aflow_rl.rollout.pool``) hands it tasks over a *link* and gets
+back one ``("done", episode_id, result)`` message per task, where ``result``
+is the worker's Trajectory or an ``EpisodeError``.
+
+Why a long-lived serve loop rather than one joblib call per episode: a loky
+process runs one call at a time, so per-process asyncio concurrency (many
+episodes waiting on HTTP at once) needs one call that keeps an event loop
+alive and is fed episodes as earlier ones finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib
+import inspect
+import os
+import socket
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Client
+from types import ModuleType
+from typing import Any, Callable, Protocol
+
+from aflow_rl.rollout.traces import TraceWriter, episode_scope
+from aflow_rl.rollout.types import Trajectory, WorkerContext
+
+_ERROR_CHARS = 4000  # keep the tail of a traceback: the exception line is at the end
+
+
+class WorkerStartError(RuntimeError):
+    """The worker module could not be imported or initialised (the message names it and sys.path)."""
+
+
+@dataclass
+class EpisodeError:
+    """What a worker reports instead of a Trajectory.
+
+    kind: ``failed`` (raised, or returned the wrong type) | ``timeout``.
+    stuck: a thread is still running this episode's sync code after its
+    timeout; the process should be recycled once its other episodes finish.
+    """
+
+    kind: str
+    error: str
+    stuck: bool = False
+
+
+class Link(Protocol):
+    """Two-way message channel between the pool and one serve loop."""
+
+    def recv(self) -> Any: ...          # blocking; raises EOFError when the pool is gone
+    def send(self, msg: Any) -> None: ...
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """``"pkg.module:function"`` -> ``("pkg.module", "function")``."""
+    module, sep, func = spec.partition(":")
+    if not sep or not module or not func:
+        raise WorkerStartError(f"rollout.worker: expected module:function, got {spec!r}")
+    return module, func
+
+
+def load_worker(spec: str) -> tuple[ModuleType, Callable]:
+    """Import the worker module named by ``spec`` and return it with its episode function."""
+    module_name, func_name = split_spec(spec)
+    try:
+        module = importlib.import_module(module_name)
+    except BaseException as exc:  # ImportError, SyntaxError, or whatever the module raises at import
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        what = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        raise WorkerStartError(
+            f"cannot import worker module '{module_name}' (rollout.worker={spec!r}) "
+            f"in process {os.getpid()} on {socket.gethostname()}: {what}\n"
+            f"  cwd: {os.getcwd()}\n"
+            f"  sys.path: {sys.path}\n"
+            "  worker modules must be importable where the pool runs them "
+            "(pip install -e . installs aflow_rl and workers/)") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise WorkerStartError(
+            f"worker module '{module_name}' ({getattr(module, '__file__', '?')}) "
+            f"has no function '{func_name}' (rollout.worker={spec!r})")
+    return module, fn
+
+
+def extend_sys_path(paths: list[str]) -> None:
+    """Append the parent's import path entries this process lacks.
+
+    A spawned process (or a dask worker) starts from its own cwd and
+    environment; the parent may have put the repository on sys.path by hand
+    (tests, notebooks, a script run from /), so its entries travel along.
+    Appended, never prepended, so a remote machine's own packages win.
+    """
+    for p in paths:
+        if p and p not in sys.path:
+            sys.path.append(p)
+
+
+class EpisodeRunner:
+    """One process's worker: module imported, ``init_worker(ctx)`` called once, episodes run."""
+
+    def __init__(self, spec: str, ctx: WorkerContext):
+        module, self.fn = load_worker(spec)
+        self.spec = spec
+        self.ctx = ctx
+        self.is_async = inspect.iscoroutinefunction(self.fn)
+        # Every episode of this process appends to one trace file (a no-op writer when tracing is off).
+        ctx.state.setdefault("trace", TraceWriter.from_context(ctx))
+        init = getattr(module, "init_worker", None)
+        if init is not None:
+            try:
+                out = init(ctx)
+            except Exception:
+                raise WorkerStartError(
+                    f"init_worker of worker module '{module.__name__}' failed in process {os.getpid()}:\n"
+                    + _tail(traceback.format_exc())) from None
+            if inspect.isawaitable(out):
+                getattr(out, "close", lambda: None)()
+                raise WorkerStartError(f"init_worker of '{module.__name__}' must be a plain function, not async")
+
+    async def run(self, task: dict, timeout_s: float, *, inline: bool = False) -> Trajectory | EpisodeError:
+        """Run one episode with a wall-clock limit; never raises for the episode's own errors.
+
+        Async episodes run on this loop; sync ones in a daemon thread so the
+        loop stays free for the others (``inline``: in this thread, for the
+        sequential backend, where a hung sync episode cannot be interrupted).
+        """
+        # Each episode runs in its own asyncio task, so this sets the scope for this episode only;
+        # the job task and the sync thread below inherit it (traces learn the attempt from it).
+        episode_scope(task)
+        if self.is_async:
+            job = asyncio.ensure_future(self.fn(task, self.ctx))
+        elif inline:
+            job = None
+        else:
+            job = _in_daemon_thread(contextvars.copy_context(), self.fn, task, self.ctx)
+        try:
+            if job is None:
+                out = self.fn(task, self.ctx)
+            else:
+                # asyncio.wait, not wait_for: a TimeoutError raised *by the episode* is a failure, not ours.
+                done, _ = await asyncio.wait({job}, timeout=timeout_s)
+                if not done:
+                    job.cancel()
+                    if self.is_async:  # give it a moment to clean up (close sockets), not forever
+                        await asyncio.wait({job}, timeout=1.0)
+                    return EpisodeError("timeout", f"episode exceeded rollout.episode_timeout_s={timeout_s:g}s",
+                                        stuck=not self.is_async)
+                out = job.result()
+            if inspect.isawaitable(out):  # a sync function that returned a coroutine
+                out = await asyncio.wait_for(out, timeout_s)
+        except asyncio.CancelledError:
+            if job is not None:
+                job.cancel()
+            raise
+        except Exception:
+            return EpisodeError("failed", _tail(traceback.format_exc()))
+        if not isinstance(out, Trajectory):
+            return EpisodeError("failed", f"{self.spec} returned {type(out).__module__}.{type(out).__name__}, "
+                                          "expected aflow_rl.rollout.types.Trajectory")
+        # The pool is the authority on identity: none lost, none duplicated.
+        out.episode_id, out.group_id, out.attempt = task["episode_id"], task["group_id"], task["attempt"]
+        return out
+
+
+def _in_daemon_thread(ctx_vars: contextvars.Context, fn: Callable, *args: Any) -> asyncio.Future:
+    """Run ``fn(*args)`` in a fresh daemon thread; a hung one never blocks interpreter exit."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def target() -> None:
+        try:
+            result, ok = ctx_vars.run(fn, *args), True
+        except BaseException as exc:  # handed to the awaiting coroutine, which formats it
+            result, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, result)
+        except RuntimeError:  # the loop is gone (episode timed out and the worker moved on)
+            pass
+
+    threading.Thread(target=target, daemon=True, name="rollout-sync-episode").start()
+    return fut
+
+
+def _tail(text: str) -> str:
+    return text if len(text) <= _ERROR_CHARS else "...\n" + text[-_ERROR_CHARS:]
+
+
+# One runner per (worker spec, context) per process: init_worker runs once per process and pool.
+_RUNNERS: dict[tuple[str, int], tuple[WorkerContext, EpisodeRunner]] = {}
+_RUNNERS_LOCK = threading.Lock()
+
+
+def get_runner(spec: str, ctx: WorkerContext) -> EpisodeRunner:
+    """The process's runner for ``spec``, importing and initialising the worker on first use."""
+    key = (spec, id(ctx))
+    with _RUNNERS_LOCK:  # threading backend: several slots start at once in one process
+        hit = _RUNNERS.get(key)
+        if hit is None:
+            hit = _RUNNERS[key] = (ctx, EpisodeRunner(spec, ctx))  # ctx kept alive so its id stays unique
+        return hit[1]
+
+
+async def serve(link: Link, runner: EpisodeRunner, concurrency: int, timeout_s: float) -> None:
+    """Run the episodes the pool sends until it says stop or goes away.
+
+    Messages in: ``("run", [task, ...])``, ``("cancel", [episode_id, ...])``,
+    ``("stop",)``. Out: ``("done", episode_id, Trajectory | EpisodeError)`` as
+    each finishes, and ``("tainted", reason)`` once a sync episode is stuck.
+    """
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    def pump() -> None:  # blocking reads stay off the event loop
+        while True:
+            try:
+                msg = link.recv()
+            except (EOFError, OSError):
+                msg = None
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, msg)
+            except RuntimeError:  # loop closed
+                return
+            if msg is None or msg[0] == "stop":
+                return
+
+    threading.Thread(target=pump, daemon=True, name="rollout-link-reader").start()
+    running: dict[str, asyncio.Task] = {}
+    gate = asyncio.Semaphore(concurrency)  # the pool never sends more; this only guards against a bug there
+    tainted = False
+
+    async def one(task: dict) -> None:
+        nonlocal tainted
+        eid = task["episode_id"]
+        try:
+            async with gate:
+                result = await runner.run(task, timeout_s)
+        finally:
+            running.pop(eid, None)
+        _send_result(link, eid, result)
+        if isinstance(result, EpisodeError) and result.stuck and not tainted:
+            tainted = True
+            link.send(("tainted", f"a sync episode ({eid}) still runs past its timeout"))
+
+    while True:
+        msg = await inbox.get()
+        if msg is None or msg[0] == "stop":
+            break
+        if msg[0] == "run":
+            for task in msg[1]:
+                running[task["episode_id"]] = asyncio.ensure_future(one(task))
+        elif msg[0] == "cancel":
+            for eid in msg[1]:
+                job = running.get(eid)
+                if job is not None:
+                    job.cancel()
+    for job in list(running.values()):
+        job.cancel()
+    if running:
+        await asyncio.wait(list(running.values()), timeout=2.0)
+
+
+def _send_result(link: Link, eid: str, result: Any) -> None:
+    try:
+        link.send(("done", eid, result))
+    except (EOFError, OSError, BrokenPipeError):
+        raise
+    except Exception as exc:  # pickling failed before anything was written: the stream is intact
+        link.send(("done", eid, EpisodeError("failed", f"result could not be sent to the pool: {exc!r}")))
+
+
+class _ConnLink:
+    """A multiprocessing Connection as a Link (pickled messages over a socket)."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def recv(self) -> Any:
+        return self.conn.recv()
+
+    def send(self, msg: Any) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
+def serve_remote(address: Any, authkey: bytes, slot: int, gen: int, spec: str, ctx: WorkerContext,
+                 concurrency: int, timeout_s: float, sys_path: list[str]) -> str:
+    """Entry point of a loky or dask slot: connect back, start the worker, serve until stopped.
+
+    The hello message carries the start-up error, if any, so the pool can
+    stop at once with the worker's own message (module, sys.path).
+    """
+    extend_sys_path(sys_path)
+    conn = Client(address, authkey=authkey)
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "error": None}
+    try:
+        runner = get_runner(spec, ctx)
+    except WorkerStartError as exc:
+        info["error"] = str(exc)
+    conn.send(("hello", slot, gen, info))
+    try:
+        if info["error"] is None:
+            asyncio.run(serve(_ConnLink(conn), runner, concurrency, timeout_s))
+    finally:
+        conn.close()
+    return "stopped"

@@ -1,0 +1,638 @@
+"""Continuous-batching generation engine for the embedded CPU server.
+
+One dedicated thread owns the Hugging Face model. HTTP handlers call
+:meth:`Engine.submit` (thread-safe) and get a :class:`GenerateResult` through a
+callback. Between two decode steps the engine thread
+
+1. takes new requests, aborts and weight updates from its inbox,
+2. prefills the newly admitted requests together (left-padded, attention mask and
+   explicit ``position_ids``) and merges their KV cache into the running batch,
+3. runs one decode step for every running sequence, and
+4. drops the sequences that finished, so their slots go to waiting requests.
+
+Logprobs follow SGLang: ``log_softmax(masked_logits / temperature)`` where the mask
+is the xgrammar mask (if any); at temperature 0 the choice is greedy and the
+logprob is the log-softmax of the masked raw logits. ``top_p``/``top_k`` only
+filter the sampling distribution, never the reported logprobs. Prompt logprobs
+(``logprob_start_len``) are the log-softmax of the raw logits, as SGLang's default.
+:func:`token_logprobs` is that formula, for anyone who recomputes them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from aflow_rl.serving.grammar import GrammarBackend, eos_token_ids, mask_logits_, unpack_bitmask
+
+log = logging.getLogger("aflow_rl.serving.engine")
+
+# SGLang treats a temperature below this as greedy (and reports logprobs at temperature 1).
+GREEDY_EPS = 1e-6
+# Config fields two checkpoints must share for a hot weight swap.
+_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (the HTTP layer answers 400)."""
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's sampling parameters, the subset the embedded server implements."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                     # -1 (or 0): no top-k filter
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False          # keep a matched stop string / stop token in ``text``
+    sampling_seed: Optional[int] = None
+
+
+@dataclass
+class GenerateRequest:
+    """One sequence to generate. ``grammar`` is a compiled xgrammar grammar (or None)."""
+
+    input_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_logprob: bool = False
+    logprob_start_len: int = -1         # -1: no prompt logprobs
+    top_logprobs_num: int = 0
+    grammar: Any = None
+
+
+@dataclass
+class GenerateResult:
+    """What a finished (or aborted) request produced; logprob lists are per token."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: dict
+    output_logprobs: list[float]
+    output_top_logprobs: Optional[list[list[tuple[float, int]]]]
+    input_token_ids: list[int]                       # prompt ids from logprob_start_len on
+    input_logprobs: list[Optional[float]]            # first entry None, as SGLang
+    input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]]
+    weight_version: str
+    e2e_latency: float
+    queue_time: float
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0,
+                   allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SGLang's reported logprobs: ``log_softmax(mask(logits) / T)[token]``.
+
+    ``logits`` is ``[T, V]``, ``token_ids`` ``[T]``, ``allowed`` an optional grammar mask
+    ``BoolTensor [T, V]`` (see :func:`aflow_rl.serving.grammar.grammar_masks`). Temperature
+    0 means greedy decoding, whose logprobs are taken at temperature 1.
+    """
+    logits = logits.float().clone()
+    if allowed is not None:
+        mask_logits_(logits, allowed)
+    scale = 1.0 if temperature < GREEDY_EPS else float(temperature)
+    return torch.log_softmax(logits / scale, dim=-1).gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+
+
+def resolve_dtype(name: str, config) -> torch.dtype:
+    """``auto`` keeps a checkpoint's bfloat16 and otherwise uses float32 (CPU fp16 is slow)."""
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r}; use auto, float32 or bfloat16")
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return torch.bfloat16 if str(declared).replace("torch.", "") == "bfloat16" else torch.float32
+
+
+def load_model(model_path: str, dtype: str = "auto"):
+    """Load a causal LM from a Hugging Face directory, in eval mode, on CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype, config))
+    return model.eval()
+
+
+def check_compatible(old_model, new_model) -> Optional[str]:
+    """Why ``new_model`` cannot replace ``old_model`` in place, or None if it can."""
+    problems = []
+    for name in _SHAPE_FIELDS:
+        a, b = getattr(old_model.config, name, None), getattr(new_model.config, name, None)
+        if a != b:
+            problems.append(f"config.{name}: {a} != {b}")
+    old_sd, new_sd = old_model.state_dict(), new_model.state_dict()
+    missing = sorted(set(old_sd) - set(new_sd))
+    extra = sorted(set(new_sd) - set(old_sd))
+    if missing:
+        problems.append(f"missing tensors {missing[:3]}")
+    if extra:
+        problems.append(f"unexpected tensors {extra[:3]}")
+    for name in sorted(set(old_sd) & set(new_sd)):
+        if old_sd[name].shape != new_sd[name].shape:
+            problems.append(f"{name}: shape {tuple(old_sd[name].shape)} != {tuple(new_sd[name].shape)}")
+            break
+    return "; ".join(problems) or None
+
+
+class _Seq:
+    """Per-request decoding state while it waits or runs."""
+
+    __slots__ = ("req", "callback", "matcher", "generator", "output_ids", "logprobs", "top", "input_lp",
+                 "input_top", "finish", "delivered", "t_arrival", "t_admitted", "stop_ids", "max_stop_len")
+
+    def __init__(self, req: GenerateRequest, callback, eos_ids: set[int]):
+        self.req, self.callback = req, callback
+        self.matcher = None
+        self.generator = None
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: Optional[list] = [] if req.top_logprobs_num > 0 else None
+        self.input_lp: list = []
+        self.input_top: Optional[list] = None
+        self.finish: Optional[dict] = None
+        self.delivered = False
+        self.t_arrival = time.perf_counter()
+        self.t_admitted = self.t_arrival
+        p = req.params
+        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+        self.max_stop_len = max((len(s) for s in p.stop), default=0)
+
+
+class _Batch:
+    """Running sequences and their right-aligned KV cache.
+
+    Invariant: row ``r`` of ``cache`` (every layer ``[B, H_kv, S, D]``) and of ``mask``
+    (``[B, S]``, 1 = real token) holds every token of sequence ``r`` except its last
+    sampled one, ``last[r]``, which the next decode step feeds at position ``pos[r]``.
+    Padding is on the left, so all rows end at column ``S - 1``.
+    """
+
+    def __init__(self, seqs: list[_Seq], cache, mask: torch.Tensor, pos: torch.Tensor, last: torch.Tensor):
+        self.seqs, self.cache, self.mask, self.pos, self.last = seqs, cache, mask, pos, last
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Engine:
+    """A model, its tokenizer and grammar backend, and the thread that batches requests.
+
+    Args:
+        model_path: Hugging Face model directory.
+        dtype: ``auto`` | ``float32`` | ``bfloat16``.
+        max_batch_size: most sequences decoded together; more requests wait.
+        context_length: prompt + output limit (default: ``max_position_embeddings``).
+        threads: torch intra-op threads (default ``min(2, cpu count)``).
+        json_any_whitespace: let JSON grammars allow free whitespace (SGLang's default);
+            off by default, see :mod:`aflow_rl.serving.grammar`.
+        random_seed: seed of the shared sampling generator.
+        max_prefill_tokens: cap on padded prompt tokens prefilled in one forward.
+    """
+
+    def __init__(self, model_path: str, *, dtype: str = "auto", max_batch_size: int = 64,
+                 context_length: Optional[int] = None, threads: Optional[int] = None,
+                 json_any_whitespace: bool = False, random_seed: Optional[int] = None,
+                 max_prefill_tokens: int = 16384):
+        from transformers import AutoTokenizer
+
+        self.threads = threads or min(2, os.cpu_count() or 1)
+        torch.set_num_threads(self.threads)
+        self.model_path = model_path
+        self.dtype_name = dtype
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = load_model(model_path, dtype)
+        self.config = self.model.config
+        self.vocab_size = int(self.config.vocab_size)
+        max_pos = int(getattr(self.config, "max_position_embeddings", 0) or 2048)
+        self.context_length = int(context_length or max_pos)
+        if self.context_length > max_pos:
+            log.warning("context_length %d exceeds max_position_embeddings %d", self.context_length, max_pos)
+        self.eos_ids = set(eos_token_ids(model_path, self.tokenizer, self.config))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids or {0})
+        self.grammar = GrammarBackend(self.tokenizer, self.vocab_size, stop_token_ids=sorted(self.eos_ids),
+                                      any_whitespace=json_any_whitespace, max_threads=self.threads)
+        self.max_batch_size = int(max_batch_size)
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.random_seed = random_seed if random_seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._rng = torch.Generator().manual_seed(self.random_seed)
+        self.weight_version = "default"
+
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: list[_Seq] = []
+        self._batch: Optional[_Batch] = None
+        self._updates: list[tuple] = []
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self.stats = {"requests": 0, "generated_tokens": 0, "decode_steps": 0, "prefills": 0,
+                      "max_running": 0, "errors": 0}
+
+    # ---- thread-safe API -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still pending finish with an abort."""
+        self._stopping = True
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, req: GenerateRequest, callback: Callable[[GenerateResult], None]) -> None:
+        """Queue ``req``; ``callback(result)`` runs on the engine thread when it finishes."""
+        self._inbox.put(("generate", req, callback))
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        """Abort the request with id ``rid`` (or every request); it finishes with type ``abort``."""
+        self._inbox.put(("abort", rid, abort_all))
+
+    def update_weights_from_disk(self, model_path: str, weight_version: Optional[str],
+                                 callback: Callable[[bool, str], None], abort_all: bool = False) -> None:
+        """Swap in the weights of ``model_path`` once the running batch drains.
+
+        New requests wait meanwhile, so every response comes from one weight version.
+        ``callback(success, message)`` runs on the engine thread.
+        """
+        self._inbox.put(("update", model_path, weight_version, callback, abort_all))
+
+    def load(self) -> dict:
+        """Queue and batch sizes, for /get_server_info."""
+        return {"running": len(self._batch) if self._batch else 0, "waiting": len(self._waiting),
+                **self.stats}
+
+    # ---- engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads)
+        with torch.inference_mode():
+            while not self._stopping:
+                idle = self._batch is None and not self._waiting and not self._updates
+                self._drain_inbox(block=idle)
+                try:
+                    self._step()
+                except Exception as exc:  # a bug must not take the server down: fail the batch, go on
+                    log.exception("engine step failed")
+                    self.stats["errors"] += 1
+                    self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+            self._fail_all("server shutting down")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "generate":
+            _, req, callback = item
+            self.stats["requests"] += 1
+            self._waiting.append(_Seq(req, callback, self.eos_ids))
+        elif kind == "abort":
+            _, rid, abort_all = item
+            self._abort(rid, abort_all, "Aborted by /abort_request")
+        elif kind == "update":
+            self._updates.append(item[1:])
+            if item[4]:  # abort_all_requests
+                self._abort(None, True, "Aborted for a weight update")
+
+    def _abort(self, rid: Optional[str], abort_all: bool, message: str) -> None:
+        reason = {"type": "abort", "message": message}
+        for seq in list(self._waiting):
+            if abort_all or seq.req.rid == rid:
+                self._waiting.remove(seq)
+                seq.finish = dict(reason)
+                self._deliver(seq)
+        if self._batch is not None:
+            for seq in self._batch.seqs:
+                if (abort_all or seq.req.rid == rid) and seq.finish is None:
+                    seq.finish = dict(reason)
+            self._drop_finished()
+
+    def _fail_all(self, message: str) -> None:
+        seqs = list(self._waiting) + (self._batch.seqs if self._batch else [])
+        self._waiting, self._batch = [], None
+        for seq in seqs:
+            if seq.finish is None:
+                seq.finish = {"type": "abort", "message": message}
+            self._deliver(seq)
+
+    def _step(self) -> None:
+        if self._updates and self._batch is None:
+            self._apply_updates()
+            return
+        if self._waiting and not self._updates:
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted)
+        if self._batch is not None:
+            self._decode()
+
+    def _admit(self) -> list[_Seq]:
+        room = self.max_batch_size - (len(self._batch) if self._batch else 0)
+        admitted: list[_Seq] = []
+        longest = 0
+        while self._waiting and len(admitted) < room:
+            n = len(self._waiting[0].req.input_ids)
+            if admitted and max(longest, n) * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            longest = max(longest, n)
+            admitted.append(self._waiting.pop(0))
+        for seq in admitted:
+            seq.t_admitted = time.perf_counter()
+            if seq.req.grammar is not None:
+                seq.matcher = self.grammar.matcher(seq.req.grammar)
+            if seq.req.params.sampling_seed is not None:
+                seq.generator = torch.Generator().manual_seed(int(seq.req.params.sampling_seed))
+        return admitted
+
+    # ---- model calls -----------------------------------------------------------------
+
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        """Run the prompts of ``seqs`` together, sample their first tokens, join the batch."""
+        self.stats["prefills"] += 1
+        lens = [len(s.req.input_ids) for s in seqs]
+        b, S = len(seqs), max(lens)
+        ids = torch.full((b, S), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, S), dtype=torch.long)
+        for r, (seq, n) in enumerate(zip(seqs, lens)):
+            ids[r, S - n:] = torch.tensor(seq.req.input_ids, dtype=torch.long)
+            mask[r, S - n:] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)                          # [b, S]
+        wants_prompt = [s.req.return_logprob and 0 <= s.req.logprob_start_len < n for s, n in zip(seqs, lens)]
+        cont = [r for r, s in enumerate(seqs) if s.req.params.max_new_tokens > 0]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=bool(cont),
+                         logits_to_keep=0 if any(wants_prompt) else 1)
+        logits = out.logits                                              # [b, S or 1, V]
+        for r, seq in enumerate(seqs):
+            if wants_prompt[r]:
+                self._prompt_logprobs(seq, logits[r, S - lens[r]:].float())
+        for r, seq in enumerate(seqs):
+            if r not in cont:  # prefill-only request
+                seq.finish = {"type": "length", "length": 0}
+                self._deliver(seq)
+        if not cont:
+            return
+        rows = [seqs[r] for r in cont]
+        tokens = self._sample(rows, logits[cont, -1].float())
+        keep = [i for i, s in enumerate(rows) if s.finish is None]
+        for s in rows:
+            if s.finish is not None:
+                self._deliver(s)
+        if not keep:
+            return
+        keep_rows = torch.tensor([cont[i] for i in keep], dtype=torch.long)
+        cache = out.past_key_values
+        if len(keep) != b:
+            cache.batch_select_indices(keep_rows)
+        new = _Batch([rows[i] for i in keep], cache, mask[keep_rows], mask[keep_rows].sum(-1),
+                     tokens[torch.tensor(keep, dtype=torch.long)])
+        self._batch = new if self._batch is None else self._merge(self._batch, new)
+        self._trim()
+        self.stats["max_running"] = max(self.stats["max_running"], len(self._batch))
+
+    def _prompt_logprobs(self, seq: _Seq, logits: torch.Tensor) -> None:
+        """Prompt logprobs from ``logprob_start_len`` on; ``logits`` is ``[n, V]`` for the prompt."""
+        ids = seq.req.input_ids
+        start = seq.req.logprob_start_len
+        # logits[k] predicts ids[k + 1]; the entry for ids[start] has no value (SGLang pads None).
+        lp = torch.log_softmax(logits[start:len(ids) - 1], dim=-1)        # [n - 1 - start, V]
+        target = torch.tensor(ids[start + 1:], dtype=torch.long)
+        seq.input_lp = [None] + lp.gather(-1, target.unsqueeze(-1)).squeeze(-1).tolist()
+        k = seq.req.top_logprobs_num
+        if k > 0:
+            vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            seq.input_top = [None] + [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
+
+    def _decode(self) -> None:
+        """One token for every running sequence."""
+        batch = self._batch
+        self.stats["decode_steps"] += 1
+        B = len(batch)
+        mask = torch.cat([batch.mask, torch.ones((B, 1), dtype=torch.long)], dim=1)   # [B, S + 1]
+        out = self.model(input_ids=batch.last.unsqueeze(1), attention_mask=mask,
+                         position_ids=batch.pos.unsqueeze(1), past_key_values=batch.cache, use_cache=True)
+        batch.cache, batch.mask, batch.pos = out.past_key_values, mask, batch.pos + 1
+        batch.last = self._sample(batch.seqs, out.logits[:, -1].float())
+        self._drop_finished()
+
+    def _merge(self, a: _Batch, b: _Batch) -> _Batch:
+        """Concatenate two batches, left-padding the shorter cache to the longer."""
+        S = max(a.mask.shape[1], b.mask.shape[1])
+
+        def pad(t: torch.Tensor) -> torch.Tensor:   # [B, H, s, D] or [B, s] -> left-padded to S
+            extra = S - t.shape[-2 if t.dim() == 4 else -1]
+            if not extra:
+                return t
+            return F.pad(t, (0, 0, extra, 0) if t.dim() == 4 else (extra, 0))
+
+        layers = [(torch.cat([pad(la.keys), pad(lb.keys)]), torch.cat([pad(la.values), pad(lb.values)]))
+                  for la, lb in zip(a.cache.layers, b.cache.layers)]
+        return _Batch(a.seqs + b.seqs, self._make_cache(layers), torch.cat([pad(a.mask), pad(b.mask)]),
+                      torch.cat([a.pos, b.pos]), torch.cat([a.last, b.last]))
+
+    def _make_cache(self, layers):
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=layers, config=self.config)
+
+    def _drop_finished(self) -> None:
+        batch = self._batch
+        done = [i for i, s in enumerate(batch.seqs) if s.finish is not None]
+        if not done:
+            return
+        for i in done:
+            self._deliver(batch.seqs[i])
+        keep = [i for i, s in enumerate(batch.seqs) if s.finish is None]
+        if not keep:
+            self._batch = None
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        batch.cache.batch_select_indices(idx)
+        batch.seqs = [batch.seqs[i] for i in keep]
+        batch.mask, batch.pos, batch.last = batch.mask[idx], batch.pos[idx], batch.last[idx]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop leading cache columns that are padding in every row (keeps S = longest sequence)."""
+        batch = self._batch
+        lead = int((batch.mask.cumsum(-1) == 0).sum(-1).min())
+        if lead:
+            layers = [(l.keys[:, :, lead:], l.values[:, :, lead:]) for l in batch.cache.layers]
+            batch.cache = self._make_cache(layers)
+            batch.mask = batch.mask[:, lead:]
+
+    # ---- sampling ----------------------------------------------------------------------
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
+        """Choose the next token of each row of ``logits [N, V]``; record it and check stops."""
+        N = len(seqs)
+        grammar_rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if grammar_rows:
+            bitmask = self.grammar.allocate_bitmask(N)
+            for i in grammar_rows:
+                seqs[i].matcher.fill_next_token_bitmask(bitmask, i)
+            rows = torch.tensor(grammar_rows, dtype=torch.long)
+            logits[rows] = mask_logits_(logits[rows], unpack_bitmask(bitmask[rows], logits.shape[-1]))
+        temps = [s.req.params.temperature for s in seqs]
+        greedy = [t < GREEDY_EPS for t in temps]
+        scale = torch.tensor([1.0 if g else t for t, g in zip(temps, greedy)], dtype=logits.dtype)
+        logprobs = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)       # [N, V], reported
+        if all(greedy):
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self._draw(seqs, logprobs, greedy)
+            if any(greedy):
+                g = torch.tensor(greedy)
+                tokens = torch.where(g, logits.argmax(-1), tokens)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top_rows = [i for i, s in enumerate(seqs) if s.top is not None]
+        tops = {}
+        if top_rows:
+            k = max(seqs[i].req.top_logprobs_num for i in top_rows)
+            vals, idx = logprobs[top_rows].topk(min(k, logprobs.shape[-1]), dim=-1)
+            for j, i in enumerate(top_rows):
+                n = seqs[i].req.top_logprobs_num
+                # A grammar-masked token has probability 0; it is not among the top tokens.
+                tops[i] = [(v, t) for v, t in zip(vals[j, :n].tolist(), idx[j, :n].tolist()) if v != float("-inf")]
+        token_list = tokens.tolist()
+        for i, seq in enumerate(seqs):
+            seq.output_ids.append(token_list[i])
+            seq.logprobs.append(chosen[i])
+            if seq.top is not None:
+                seq.top.append(tops[i])
+            self._check_finish(seq, token_list[i])
+        self.stats["generated_tokens"] += N
+        return tokens
+
+    def _draw(self, seqs: list[_Seq], logprobs: torch.Tensor, greedy: list[bool]) -> torch.Tensor:
+        """Sample from ``exp(logprobs)`` after per-row top-k/top-p filtering."""
+        probs = logprobs.exp()                                                  # [N, V]
+        top_k = [s.req.params.top_k for s in seqs]
+        top_p = [s.req.params.top_p for s in seqs]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            ranks = torch.arange(probs.shape[-1]).unsqueeze(0)
+            k = torch.tensor([k if k > 0 else probs.shape[-1] for k in top_k]).unsqueeze(1)
+            p = torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+            # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+            drop = (ranks >= k) | ((sorted_p.cumsum(-1) - sorted_p) > p)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
+        seeded = [i for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]]
+        tokens = torch.multinomial(probs, 1, generator=self._rng).squeeze(1)
+        for i in seeded:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=seqs[i].generator)[0]
+        return tokens
+
+    def _check_finish(self, seq: _Seq, token: int) -> None:
+        """SGLang's order: length first, then grammar termination, stop tokens, stop strings."""
+        p = seq.req.params
+        accepted = True
+        if seq.matcher is not None:
+            accepted = seq.matcher.accept_token(token)
+        n_total = len(seq.req.input_ids) + len(seq.output_ids)
+        if len(seq.output_ids) >= p.max_new_tokens or n_total >= self.context_length:
+            seq.finish = {"type": "length", "length": len(seq.output_ids)}
+        elif not accepted:
+            seq.finish = {"type": "abort", "message": f"token {token} rejected by the grammar"}
+        elif token in seq.stop_ids or (seq.matcher is not None and seq.matcher.is_terminated()):
+            seq.finish = {"type": "stop", "matched": token}
+        elif p.stop:
+            # Only the tail can hold a new match: the last token plus the longest stop string.
+            tail = self.tokenizer.decode(seq.output_ids[-(seq.max_stop_len + 2):],
+                                         skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s in tail:
+                    seq.finish = {"type": "stop", "matched": s}
+                    break
+
+    # ---- results -----------------------------------------------------------------------
+
+    def _deliver(self, seq: _Seq) -> None:
+        if seq.delivered:
+            return
+        seq.delivered = True
+        now = time.perf_counter()
+        p, req = seq.req.params, seq.req
+        ids = seq.output_ids
+        matched = seq.finish.get("matched")
+        if not p.no_stop_trim and isinstance(matched, int) and ids and ids[-1] == matched:
+            text = self.tokenizer.decode(ids[:-1], skip_special_tokens=p.skip_special_tokens)
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+            if not p.no_stop_trim and isinstance(matched, str) and matched in text:
+                text = text[:text.index(matched)]
+        start = req.logprob_start_len if req.return_logprob and req.logprob_start_len >= 0 else len(req.input_ids)
+        result = GenerateResult(
+            rid=req.rid, prompt_ids=req.input_ids, output_ids=list(ids), text=text, finish_reason=seq.finish,
+            output_logprobs=seq.logprobs, output_top_logprobs=seq.top,
+            input_token_ids=req.input_ids[start:], input_logprobs=seq.input_lp, input_top_logprobs=seq.input_top,
+            weight_version=self.weight_version, e2e_latency=now - seq.t_arrival,
+            queue_time=seq.t_admitted - seq.t_arrival)
+        try:
+            seq.callback(result)
+        except Exception:
+            log.exception("result callback failed for %s", req.rid)
+
+    # ---- weight updates ----------------------------------------------------------------
+
+    def _apply_updates(self) -> None:
+        while self._updates:
+            model_path, version, callback, _ = self._updates.pop(0)
+            ok, message = self._swap_weights(model_path, version)
+            try:
+                callback(ok, message)
+            except Exception:
+                log.exception("update callback failed")
+
+    def _swap_weights(self, model_path: str, version: Optional[str]) -> tuple[bool, str]:
+        t0 = time.perf_counter()
+        try:
+            new_model = load_model(model_path, self.dtype_name)
+        except Exception as exc:
+            return False, f"Failed to load weights from {model_path}: {type(exc).__name__}: {exc}"
+        problem = check_compatible(self.model, new_model)
+        if problem:
+            return False, f"Weights in {model_path} do not match the served model ({problem}); kept the old weights."
+        self.model, self.config = new_model, new_model.config
+        self.model_path = model_path
+        if version is not None:
+            self.weight_version = str(version)
+        elif self.weight_version.isdigit():
+            self.weight_version = str(int(self.weight_version) + 1)
+        else:
+            self.weight_version = "1"
+        return True, (f"Succeeded to update model weights from {model_path} in {time.perf_counter() - t0:.2f}s; "
+                      f"weight_version={self.weight_version}.")

@@ -1,0 +1,188 @@
+"""Grammar-constrained decoding with xgrammar, shared by the embedded server and the trainer.
+
+The server compiles a request's ``json_schema`` or ``regex`` once, gives every
+sequence its own ``GrammarMatcher`` and masks the logits before each token. The
+trainer must rebuild exactly the same masks to recompute the server's logprobs
+(log-softmax of the temperature-scaled logits *after* the mask), so both sides go
+through :class:`GrammarBackend` and :func:`grammar_masks`.
+
+    backend = GrammarBackend.from_pretrained("models/tiny")
+    masks = grammar_masks({"json_schema": schema}, response_ids, backend=backend)   # BoolTensor [T, V]
+
+JSON is compiled without free whitespace by default (xgrammar's ``any_whitespace=False``,
+SGLang's ``--constrained-json-disable-any-whitespace``): a small or random policy would
+otherwise spend its token budget on spaces. Pass ``any_whitespace=True`` on both sides
+to get SGLang's default instead.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+import torch
+import xgrammar as xgr
+
+# Bit k of int32 word w in an xgrammar bitmask says whether token 32*w + k is allowed.
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarError(ValueError):
+    """An invalid ``json_schema`` or ``regex``; the message is the compiler's."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to: ``kind`` is ``json_schema`` or ``regex``."""
+
+    kind: str
+    value: str
+
+    def to_dict(self) -> dict[str, str]:
+        """The form a Trajectory stores: ``{"json_schema": "..."}`` or ``{"regex": "..."}``."""
+        return {self.kind: self.value}
+
+
+GrammarLike = Union[GrammarSpec, Mapping[str, Any], "xgr.CompiledGrammar"]
+
+
+def spec_from_params(params: Mapping[str, Any] | None) -> GrammarSpec | None:
+    """Read ``json_schema`` / ``regex`` from SGLang sampling params (or a stored spec dict).
+
+    A ``json_schema`` may be a JSON string (SGLang's form) or an already parsed dict.
+    Raises :class:`GrammarError` when both are set or a value has the wrong type.
+    """
+    if not params:
+        return None
+    schema, regex = params.get("json_schema"), params.get("regex")
+    if schema is not None and regex is not None:
+        raise GrammarError("set only one of json_schema and regex")
+    if schema is not None:
+        if isinstance(schema, (dict, bool)):
+            schema = json.dumps(schema)
+        if not isinstance(schema, str):
+            raise GrammarError(f"json_schema must be a JSON string, got {type(schema).__name__}")
+        return GrammarSpec("json_schema", schema)
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise GrammarError(f"regex must be a string, got {type(regex).__name__}")
+        return GrammarSpec("regex", regex)
+    return None
+
+
+class GrammarBackend:
+    """xgrammar compiler for one tokenizer/vocabulary, with its compile cache.
+
+    ``vocab_size`` is the model's (``config.vocab_size``, the logits width), which may
+    exceed the tokenizer's; the extra ids are never allowed.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: Sequence[int] | None = None,
+                 any_whitespace: bool = False, max_threads: int = 2):
+        self.vocab_size = int(vocab_size)
+        self.any_whitespace = any_whitespace
+        stop = sorted(set(int(t) for t in stop_token_ids)) if stop_token_ids else None
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                                 stop_token_ids=stop)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, *, any_whitespace: bool = False) -> "GrammarBackend":
+        """Backend for a Hugging Face model directory (tokenizer, vocab size and eos ids from it)."""
+        return _cached_backend(model_path, any_whitespace)
+
+    def compile(self, grammar: GrammarLike) -> "xgr.CompiledGrammar":
+        """Compile a spec (cached by xgrammar); raises :class:`GrammarError` with the compiler's message."""
+        if isinstance(grammar, xgr.CompiledGrammar):
+            return grammar
+        spec = grammar if isinstance(grammar, GrammarSpec) else spec_from_params(grammar)
+        if spec is None:
+            raise GrammarError("no json_schema or regex given")
+        try:
+            if spec.kind == "json_schema":
+                return self.compiler.compile_json_schema(spec.value, any_whitespace=self.any_whitespace)
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.value)
+        except Exception as exc:  # xgrammar raises RuntimeError / InvalidJSONError with the reason
+            raise GrammarError(f"invalid {spec.kind}: {exc}") from exc
+        raise GrammarError(f"unknown grammar kind {spec.kind!r}; use json_schema or regex")
+
+    def matcher(self, compiled: "xgr.CompiledGrammar") -> "xgr.GrammarMatcher":
+        """A fresh per-sequence matcher; it terminates once it accepts a stop token."""
+        return xgr.GrammarMatcher(compiled)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """An int32 bitmask ``[rows, ceil(V/32)]`` for ``fill_next_token_bitmask``."""
+        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_backend(model_path: str, any_whitespace: bool) -> GrammarBackend:
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path)
+    return GrammarBackend(tok, config.vocab_size, stop_token_ids=eos_token_ids(model_path, tok, config),
+                          any_whitespace=any_whitespace)
+
+
+def eos_token_ids(model_path: str | None, tokenizer, config) -> list[int]:
+    """Every id that ends a generation: the tokenizer's eos, config's and generation_config's."""
+    ids: set[int] = set()
+
+    def add(value):
+        if value is None:
+            return
+        if isinstance(value, int):
+            ids.add(value)
+        else:
+            ids.update(int(v) for v in value)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    add(getattr(config, "eos_token_id", None))
+    if model_path is not None:
+        try:
+            from transformers import GenerationConfig
+
+            add(GenerationConfig.from_pretrained(model_path).eos_token_id)
+        except (OSError, ValueError):
+            pass  # no generation_config.json: the tokenizer/config ids are all there is
+    return sorted(ids)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bitmask ``[N, W]`` -> allowed-token mask ``BoolTensor [N, vocab_size]``."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1          # [N, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def mask_logits_(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Set disallowed logits to -inf in place (``logits`` and ``allowed`` are ``[N, V]``)."""
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
+def grammar_bitmasks(grammar: GrammarLike, response_ids: Iterable[int], *, backend: GrammarBackend) -> torch.Tensor:
+    """Packed masks before each response token: int32 ``[T, ceil(V/32)]`` (see :func:`grammar_masks`)."""
+    ids = [int(t) for t in response_ids]
+    matcher = backend.matcher(backend.compile(grammar))
+    out = backend.allocate_bitmask(len(ids))
+    for t, token in enumerate(ids):
+        if matcher.is_terminated():
+            raise ValueError(f"response continues after the grammar terminated (position {t}, token {token})")
+        matcher.fill_next_token_bitmask(out, t)
+        if not matcher.accept_token(token):
+            raise ValueError(f"token {token} at position {t} is not allowed by the grammar")
+    return out
+
+
+def grammar_masks(grammar: GrammarLike, response_ids: Iterable[int], *, backend: GrammarBackend) -> torch.Tensor:
+    """Allowed-token masks the server applied before each response token: ``BoolTensor [T, V]``.
+
+    ``grammar`` is a :class:`GrammarSpec`, a stored spec dict (``{"json_schema": ...}``
+    or ``{"regex": ...}``) or a compiled grammar; ``V`` is ``backend.vocab_size``. Row
+    ``t`` is the mask in force when ``response_ids[t]`` was sampled, so
+    ``log_softmax(logits[t].masked_fill(~mask[t], -inf) / temperature)`` reproduces the
+    server's logprob. Raises ``ValueError`` if the response violates the grammar.
+    """
+    return unpack_bitmask(grammar_bitmasks(grammar, response_ids, backend=backend), backend.vocab_size)
