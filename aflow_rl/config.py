@@ -107,6 +107,8 @@ class RolloutConfig:
     concurrency_per_worker: int = _f(16, "Episodes run at once inside one worker with asyncio.")
     episode_timeout_s: float = _f(300.0, "Wall-clock limit of one episode attempt.")
     max_attempts: int = _f(2, "Attempts per episode before it is returned as failed.")
+    timeout_grace_s: float = _f(10.0, "Seconds past episode_timeout_s before a silent worker (blocked event loop) is killed and replaced.")
+    start_timeout_s: float = _f(300.0, "Seconds a worker may take to start (spawn, import the worker module, init_worker).")
     dask_address: str = _f("", "dask backend: scheduler address, e.g. tcp://10.0.0.1:8786.")
     group_size: int = _f(4, "Episodes per task (G): one GRPO/GiGPO group.")
     tasks_per_step: int = _f(4, "Tasks per iteration (B); B x G episodes per rollout.")

@@ -12,8 +12,11 @@ One ``HTTPTransport`` serves one role's base URLs. For each call it
 - raises ``LLMError`` naming the URL and the status.
 
 httpx connection pools and semaphores belong to one event loop. Worker
-processes may run several ``asyncio.run`` calls over their life, so the
-loop-bound state is created lazily and rebuilt when the running loop changes.
+processes may run several ``asyncio.run`` calls over their life, and the
+threading pool backend runs one loop per thread, so the loop-bound state is
+kept per thread, created lazily and rebuilt when the running loop changes.
+The concurrency cap therefore holds per event loop (per process, or per
+thread under the threading backend).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import asyncio
 import ipaddress
 import itertools
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -101,7 +105,7 @@ class HTTPTransport:
         self.balance = balance
         self._transport = transport  # tests inject httpx.MockTransport here
         self._rr = itertools.count()
-        self._state: _LoopState | None = None
+        self._local = threading.local()  # .state: this thread's _LoopState
 
     @property
     def urls(self) -> list[str]:
@@ -111,8 +115,9 @@ class HTTPTransport:
 
     def _loop_state(self) -> _LoopState:
         loop = asyncio.get_running_loop()
-        if self._state is None or self._state.loop is not loop:
-            # The previous loop (if any) is gone or elsewhere; its client cannot be
+        state: _LoopState | None = getattr(self._local, "state", None)
+        if state is None or state.loop is not loop:
+            # This thread's previous loop (if any) has ended; its client cannot be
             # awaited from here, so it is dropped and its sockets closed by GC.
             limits = httpx.Limits(max_connections=self.max_concurrency * len(self.endpoints),
                                   max_keepalive_connections=self.max_concurrency * len(self.endpoints))
@@ -121,13 +126,15 @@ class HTTPTransport:
             tls = any(e.url.startswith("https://") for e in self.endpoints)
             client = httpx.AsyncClient(headers=self.headers, limits=limits, timeout=None, verify=tls,
                                        transport=self._transport, trust_env=False)
-            self._state = _LoopState(loop, client, {e.url: asyncio.Semaphore(self.max_concurrency)
-                                                    for e in self.endpoints})
-        return self._state
+            state = _LoopState(loop, client, {e.url: asyncio.Semaphore(self.max_concurrency)
+                                              for e in self.endpoints})
+            self._local.state = state
+        return state
 
     async def aclose(self) -> None:
-        """Close the pooled connections of the current loop's client."""
-        state, self._state = self._state, None
+        """Close the pooled connections of this thread's client (if it belongs to the running loop)."""
+        state: _LoopState | None = getattr(self._local, "state", None)
+        self._local.state = None
         if state is not None and state.loop is asyncio.get_running_loop():
             await state.client.aclose()
 

@@ -148,10 +148,13 @@ class RolloutPool:
             return
         self._closed = True
         for slot in self.slots:
-            if slot.state != DEAD:
-                slot.stop()
+            if slot.state == READY:
+                slot.stop()   # the serve loop cancels its episodes and returns
+            elif slot.state == STARTING:
+                slot.kill()   # may be deep in init_worker; no reason to wait for it
+        until = time.monotonic() + 3.0
         for slot in self.slots:
-            slot.join(timeout=3.0)
+            slot.join(timeout=max(0.1, until - time.monotonic()))
         if self._board is not None:
             self._board.close()
         if self._client is not None:
@@ -244,14 +247,15 @@ class RolloutPool:
     def _send(self, slot: Slot, episodes: list[_Episode]) -> None:
         deadline = time.monotonic() + self.cfg.episode_timeout_s + self.cfg.timeout_grace_s
         for ep in episodes:
-            ep.deadline = deadline if slot.killable or slot.kind == "thread" else float("inf")
+            # The caller's own thread (sequential) cannot be interrupted, so it gets no hard deadline.
+            ep.deadline = float("inf") if slot.kind == "inline" else deadline
             slot.inflight[ep.episode_id] = ep
         slot.send(("run", [ep.payload() for ep in episodes]))
 
     def _step(self) -> None:
         """Handle one event, or the deadline that comes first."""
         now = time.monotonic()
-        wake = min([ep.deadline for s in self.slots for ep in s.inflight.values()]
+        wake = min([_oldest(s).deadline for s in self.slots if s.inflight]
                    + [s.start_deadline for s in self.slots if s.state == STARTING] + [now + 1.0])
         try:
             index, gen, msg = self._events.get(timeout=max(0.0, wake - now))
@@ -325,8 +329,8 @@ class RolloutPool:
                     f"{slot.kind} worker {slot.index} did not start within rollout.start_timeout_s="
                     f"{self.cfg.start_timeout_s:g}s" + (" (does the dask cluster have a free thread for "
                                                         "every rollout.workers?)" if slot.kind == "dask" else ""))
-            overdue = [ep for ep in slot.inflight.values() if ep.deadline <= now]
-            if overdue:
+            if slot.inflight and _oldest(slot).deadline <= now:
+                overdue = list(itertools.takewhile(lambda ep: ep.deadline <= now, slot.inflight.values()))
                 self._expire(slot, overdue)
 
     def _expire(self, slot: Slot, overdue: list[_Episode]) -> None:
@@ -403,6 +407,11 @@ class RolloutPool:
             self.stats["pool/worker_restarts"] += 1
         slot.start()
         slot.start_deadline = time.monotonic() + self.cfg.start_timeout_s
+
+
+def _oldest(slot: Slot) -> _Episode:
+    """The slot's earliest deadline: episodes are added in send order and all get the same allowance."""
+    return next(iter(slot.inflight.values()))
 
 
 def _zero_stats() -> dict[str, float]:

@@ -160,8 +160,8 @@ class EpisodeRunner:
             if job is not None:
                 job.cancel()
             raise
-        except Exception:
-            return EpisodeError("failed", _tail(traceback.format_exc()))
+        except Exception as exc:
+            return EpisodeError("failed", _format_error(exc))
         if not isinstance(out, Trajectory):
             return EpisodeError("failed", f"{self.spec} returned {type(out).__module__}.{type(out).__name__}, "
                                           "expected aflow_rl.rollout.types.Trajectory")
@@ -191,6 +191,14 @@ def _in_daemon_thread(ctx_vars: contextvars.Context, fn: Callable, *args: Any) -
 
     threading.Thread(target=target, daemon=True, name="rollout-sync-episode").start()
     return fut
+
+
+def _format_error(exc: BaseException) -> str:
+    """The episode's traceback without this module's frames (they say nothing about the episode)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return _tail("".join(traceback.format_exception(type(exc), exc, tb)))
 
 
 def _tail(text: str) -> str:

@@ -196,9 +196,12 @@ class LokySlot(_ConnSlot):
     def kill(self) -> None:
         super().kill()
         self._close_conn()
-        self.executor.shutdown(wait=False, kill_workers=True)
+        if self.future is not None:
+            self.executor.shutdown(wait=False, kill_workers=True)
 
     def join(self, timeout: float) -> None:
+        if self.future is None:
+            return
         try:
             self.future.exception(timeout=timeout)
         except Exception:
@@ -227,9 +230,12 @@ class DaskSlot(_ConnSlot):
     def kill(self) -> None:
         super().kill()
         self._close_conn()  # the serve loop sees EOF and returns, unless its loop is blocked
-        self.future.cancel()  # and dask does not re-run it elsewhere
+        if self.future is not None:
+            self.future.cancel()  # and dask does not re-run it elsewhere
 
     def join(self, timeout: float) -> None:
+        if self.future is None:
+            return
         try:
             self.future.result(timeout=timeout)
         except Exception:
@@ -274,7 +280,8 @@ class ThreadSlot(Slot):
         super().stop()
 
     def join(self, timeout: float) -> None:
-        self.thread.join(timeout)
+        if getattr(self, "thread", None) is not None:
+            self.thread.join(timeout)
 
 
 class InlineSlot(Slot):

@@ -12,6 +12,9 @@ Per role, ``serving.<role>.backend`` picks what happens:
 - ``external``: the given URLs, whose ``/health`` must answer at start-up;
 - ``none``: no servers (``urls`` is empty).
 
+With ``build_tiny: tiny|small`` the offline tiny model is built at
+``model_path`` first if nothing is there yet.
+
 Started servers log to ``run_dir/logs/<role>-<i>.log``. Start-up waits for
 ``/health`` under ``startup_timeout_s`` while watching each process, so a
 server that crashes is reported at once with the end of its log instead of
@@ -252,6 +255,7 @@ class ServerManager:
         if self._started:
             return self
         self._check()
+        self._build_tiny_models()
         self._install_handlers()
         try:
             self._start_roles()
@@ -291,6 +295,8 @@ class ServerManager:
             key = f"serving.{role}"
             if cfg.backend in ("embedded", "sglang") and not cfg.model_path:
                 raise ServerError(f"{key}.model_path: the {cfg.backend} backend needs a model directory")
+            if cfg.build_tiny not in ("", "tiny", "small"):
+                raise ServerError(f"{key}.build_tiny: expected tiny, small or empty, got {cfg.build_tiny!r}")
             if cfg.backend == "external" and not cfg.urls:
                 raise ServerError(f"{key}.urls: the external backend needs at least one URL")
             if cfg.backend == "sglang":
@@ -300,6 +306,16 @@ class ServerManager:
                 if cfg.router and importlib.util.find_spec("sglang_router") is None:
                     raise ServerError(f"{key}.router=true but sglang_router is not installed: "
                                       f"pip install -e .[gpu]  (or set {key}.router=false)")
+
+    def _build_tiny_models(self) -> None:
+        """``build_tiny``: build the offline tiny model at model_path if none is there yet
+        (so a fresh checkout runs the quickstart with nothing to download)."""
+        for role in self.roles:
+            cfg = self._role_cfg(role)
+            if cfg.build_tiny and cfg.backend in ("embedded", "sglang"):
+                from aflow_rl.models.tiny import ensure
+
+                ensure(cfg.model_path, preset=cfg.build_tiny)
 
     def _start_roles(self) -> None:
         groups: dict[str, list[ServerProcess]] = {}
@@ -370,7 +386,7 @@ class ServerManager:
         atexit.register(self.stop)
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
-        for sig in ():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
             self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
         # SIGINT keeps Python's default: KeyboardInterrupt unwinds through __exit__ or atexit.
 

@@ -147,6 +147,23 @@ def test_client_survives_a_new_event_loop(fake_server):
     assert post(t) == {"ok": 1}  # second asyncio.run: a fresh loop, fresh pool
 
 
+def test_one_client_shared_by_threads_with_their_own_loops(fake_server):
+    import concurrent.futures
+
+    srv = fake_server(lambda *x: (200, {"ok": 1}), delay_s=0.05)
+    t = HTTPTransport([srv.url], max_concurrency=2)
+
+    def worker(_):
+        async def burst():
+            return await asyncio.gather(*(t.post_json("/x", {}) for _ in range(4)))
+        return asyncio.run(burst())
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(worker, range(3)))
+    assert results == [[{"ok": 1}] * 4] * 3
+    assert 2 <= srv.max_in_flight <= 6  # the cap holds per loop: 2 per thread
+
+
 def test_non_json_reply_is_an_llm_error(fake_server):
     srv = fake_server(lambda *x: (200, "plain text"))
     with pytest.raises(LLMError, match="non-JSON"):

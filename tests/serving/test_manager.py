@@ -232,6 +232,22 @@ def test_missing_model_path_is_reported():
         ServerManager(serving, "/tmp/unused").start()
 
 
+def test_build_tiny_builds_the_model_once_before_start(fake_embedded, tmp_path, monkeypatch):
+    import aflow_rl.models.tiny as tiny
+
+    built = []
+    monkeypatch.setattr(tiny, "build", lambda out, preset, seed: built.append((out, preset)) or out)
+    serving = fake_embedded("ok")
+    serving.policy.model_path = str(tmp_path / "model")
+    serving.policy.build_tiny = "tiny"
+    with ServerManager(serving, str(tmp_path / "run")):
+        pass
+    assert built == [(str(tmp_path / "model"), "tiny")]
+    serving.policy.build_tiny = "huge"
+    with pytest.raises(ServerError, match="serving.policy.build_tiny"):
+        ServerManager(serving, str(tmp_path / "run")).start()
+
+
 def test_sglang_command_line():
     cfg = ServerConfig(backend="sglang", model_path="/models/qwen", tp=2, host="0.0.0.0", mem_fraction=0.7,
                        dtype="bfloat16", context_length=8192, base_gpu_id=4,
@@ -281,3 +297,52 @@ def test_router_is_the_only_endpoint(tmp_path, monkeypatch):
         assert len(worker_urls) == 2 and url not in worker_urls
         assert httpx.get(url + "/health", trust_env=False).status_code == 200
         assert os.path.exists(tmp_path / "run" / "logs" / "policy-router.log")
+
+
+def test_embedded_server_end_to_end(tiny_model_dir, tiny_model_dir_b, tmp_path):
+    """The manager starts the real embedded server with the tiny model; clients from
+    make_client get completions (token ids + logprobs natively, chat via /v1) through it."""
+    import asyncio
+
+    from aflow_rl.config import ClientConfig
+    from aflow_rl.llm import make_client
+
+    serving = ServingConfig(policy=ServerConfig(backend="embedded", model_path=tiny_model_dir, threads=1,
+                                                max_batch_size=8, startup_timeout_s=120.0),
+                            actor=ServerConfig(backend="none"))
+    with ServerManager(serving, str(tmp_path / "run")) as servers:
+        urls = servers.urls("policy")
+        native = make_client(ClientConfig(provider="sglang", timeout_s=60.0), urls, role="policy")
+        chat = make_client(ClientConfig(provider="openai", timeout_s=60.0), urls, role="policy")
+
+        async def session():
+            c = await native.generate(input_ids=[5, 6, 7, 8], return_logprob=True, max_new_tokens=6,
+                                      temperature=1.0, ignore_eos=True)
+            schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+            j = await native.generate("Answer in JSON: ", json_schema=schema, max_new_tokens=32,
+                                      temperature=0.7, return_logprob=True)
+            ch = await chat.chat([{"role": "system", "content": "You plan."},
+                                  {"role": "user", "content": "Split the task."}],
+                                 return_logprob=True, max_new_tokens=5, temperature=1.0)
+            health = await native.health()
+            await native.update_weights_from_disk(tiny_model_dir_b, weight_version="7")
+            after = await native.generate(input_ids=[5, 6, 7, 8], max_new_tokens=1)
+            await native.aclose()
+            await chat.aclose()
+            return c, j, ch, health, after
+
+        c, j, ch, health, after = asyncio.run(session())
+        assert len(c.output_ids) == 6 and c.finish_reason == "length"
+        assert len(c.logprobs) == 6 and all(lp <= 0.0 for lp in c.logprobs)
+        assert c.prompt_ids == [5, 6, 7, 8] and c.prompt_tokens == 4 and c.weight_version is not None
+        if j.finish_reason == "stop":
+            import json
+            assert isinstance(json.loads(j.text)["n"], int)
+        assert len(j.logprobs) == len(j.output_ids) > 0
+        assert 0 < len(ch.logprobs) <= 5 and ch.finish_reason in ("stop", "length")
+        assert health == {urls[0]: True}
+        assert after.weight_version == "7" != c.weight_version
+        log = tmp_path / "run" / "logs" / "policy-0.log"
+        assert log.exists() and log.stat().st_size > 0
+        pid = servers.processes[0].proc.pid
+    assert wait_dead(pid)

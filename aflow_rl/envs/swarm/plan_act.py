@@ -339,8 +339,8 @@ async def run_plan_act_episode(task: dict, ctx: WorkerContext, *, policy_client:
     traj.reward_components = _components(r_perf, fmt)
     traj.final_reward = r_perf + fmt
     if plan.turn is not None:
-        # The planner's turn is the episode's only action, so it carries the whole return.
-        plan.turn.step_reward = traj.final_reward
+        # step_reward stays 0: the trainer adds the terminal (PARL-shaped) reward from
+        # reward_components itself (algos.advantages.from_trajectories), so no double count.
         traj.turns = [plan.turn]
     if plan.fallback:
         traj.info.update(fallback=plan.fallback, fallback_reason=plan.reason)

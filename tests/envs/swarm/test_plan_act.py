@@ -157,7 +157,7 @@ def test_episode_planner_then_actor_steps(task):
     want = chat_prompt_ids(tok, planner_messages(task["question"]))
     assert turn.prompt_ids.tolist() == want == planner.calls[0]["input_ids"]
     assert turn.response_ids.tolist() == [11, 12, 13, 14] and len(turn.logprobs) == 4
-    assert turn.policy_version == 3 and turn.step_reward == 1.0 and turn.grammar is None
+    assert turn.policy_version == 3 and turn.step_reward == 0.0 and turn.grammar is None
     assert planner.calls[0]["return_logprob"] and planner.calls[0]["max_new_tokens"] == 50
     assert planner.calls[0]["temperature"] == cfg.env.temperature
 
@@ -195,7 +195,7 @@ def test_unusable_plan_gets_format_penalty_and_still_runs(task):
                                             policy_client=planner, actor_client=actor,
                                             tokenizer=CharTokenizer()))
     assert traj.reward_components["format"] == -0.2 and traj.reward_components["r_perf"] == 1.0
-    assert traj.final_reward == pytest.approx(0.8) and traj.turns[0].step_reward == pytest.approx(0.8)
+    assert traj.final_reward == pytest.approx(0.8) and traj.turns[0].step_reward == 0.0
     assert "I would think about it." in actor.calls[0]["messages"][-1]["content"]
 
 

@@ -1,0 +1,97 @@
+"""Orchestrator policies: the protocol the episode loop drives, and the trained model policy.
+
+A policy turns an Observation into one action text per turn. The model policy
+samples it from the policy server through ``generate_turn`` (token ids,
+server logprobs and the JSON-schema grammar go into a Turn for the trainer);
+the baselines of ``baselines.py`` compute it by rule and return no Turn.
+
+    policy = make_policy(cfg, client=client, tokenizer=tok)   # env.swarm.policy picks which
+    policy.begin_episode(task); d = await policy.act(obs); ...; policy.end_episode(task, metrics, rewards)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, Action
+from aflow_rl.envs.swarm.observation import SYSTEM_PROMPT, Observation
+from aflow_rl.envs.swarm.profiles import ORCHESTRATOR_MS_PER_TOKEN_IN, ORCHESTRATOR_MS_PER_TOKEN_OUT, approx_tokens
+from aflow_rl.llm.base import LLMClient
+from aflow_rl.rollout.turns import generate_turn
+from aflow_rl.rollout.types import Turn
+
+POLICIES = ("model", "single", "heuristic", "bandit")
+
+
+@dataclass
+class Decision:
+    """One orchestrator turn: the action text, its Turn (model only), tokens and latency."""
+
+    text: str
+    turn: Turn | None = None
+    tokens_in: int = 0
+    tokens_out: int = 0
+    latency_ms: float = 0.0
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def begin_episode(self, task: dict) -> None: ...
+
+    async def act(self, obs: Observation) -> Decision: ...
+
+    def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None: ...
+
+
+def rule_decision(obs: Observation, action: Action) -> Decision:
+    """A baseline's action as a Decision, with the tokens and virtual latency a model would have spent."""
+    text = action.to_json()
+    t_in, t_out = approx_tokens(SYSTEM_PROMPT) + approx_tokens(obs.text), approx_tokens(text)
+    return Decision(text=text, tokens_in=t_in, tokens_out=t_out,
+                    latency_ms=t_in * ORCHESTRATOR_MS_PER_TOKEN_IN + t_out * ORCHESTRATOR_MS_PER_TOKEN_OUT)
+
+
+class ModelPolicy:
+    """The trained orchestrator on the policy server; every turn becomes a Turn with its anchor key."""
+
+    name = "model"
+
+    def __init__(self, client: LLMClient, tokenizer: Any, *, temperature: float = 1.0, max_new_tokens: int = 96,
+                 constrained: bool = True):
+        self.client, self.tokenizer = client, tokenizer
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.schema = ACTION_SCHEMA if constrained else None
+
+    def begin_episode(self, task: dict) -> None:
+        pass
+
+    async def act(self, obs: Observation) -> Decision:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": obs.text}]
+        t0 = time.perf_counter()
+        comp, turn = await generate_turn(self.client, self.tokenizer, messages, temperature=self.temperature,
+                                         max_new_tokens=self.max_new_tokens, json_schema=self.schema,
+                                         anchor_key=obs.anchor_key)
+        latency_ms = 1000.0 * (comp.latency_s or (time.perf_counter() - t0))
+        return Decision(text=comp.text, turn=turn, tokens_in=len(turn.prompt_ids),
+                        tokens_out=len(turn.response_ids), latency_ms=latency_ms)
+
+    def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
+        pass
+
+
+def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = None, name: str | None = None) -> Policy:
+    """The policy ``cfg.env.swarm.policy`` (or ``name``) names; the model policy needs client and tokenizer."""
+    name = name or cfg.env.swarm.policy
+    if name == "model":
+        if client is None or tokenizer is None:
+            raise ValueError("env.swarm.policy=model needs the policy client and tokenizer "
+                             "(workers.swarm_worker.init_worker builds them from llm.policy and serving.policy)")
+        return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
+                           max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema)
+    # baselines import this module for Decision; importing them here, at call time, avoids the cycle.
+    from aflow_rl.envs.swarm.baselines import make_baseline
+
+    return make_baseline(name, cfg)

@@ -1,0 +1,639 @@
+"""The embedded CPU inference server: SGLang's HTTP API over :class:`~aflow_rl.serving.engine.Engine`.
+
+    python -m aflow_rl.serving.embedded --model-path DIR --port P [--host 127.0.0.1]
+        [--max-batch-size N] [--context-length N] [--dtype auto|float32|bfloat16]
+        [--threads N] [--served-model-name NAME]
+
+The process loads the model before it listens, so ``GET /health`` answers 200 only
+once it can serve (503 if the engine thread has died). Routes, with SGLang's JSON
+shapes: ``/generate`` (single or batched, ``text`` or ``input_ids``), ``/health``,
+``/health_generate``, ``/get_model_info``, ``/get_server_info``,
+``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``, and the
+OpenAI-compatible ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+Bad input gets HTTP 400 with ``{"error": {"message", "type", "code"}}``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from aflow_rl.serving.engine import Engine, GenerateRequest, GenerateResult, RequestError, SamplingParams
+from aflow_rl.serving.grammar import GrammarError, spec_from_params
+
+log = logging.getLogger("aflow_rl.serving.embedded")
+
+SERVER_VERSION = "aflow_rl-embedded-0.1"
+DEFAULT_MAX_NEW_TOKENS = 128          # SGLang's default for /generate
+MAX_TOP_LOGPROBS = 20                 # OpenAI's limit; /generate allows up to the vocabulary
+# Sampling params the engine implements, and those accepted only at their neutral value.
+_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
+                  "json_schema", "regex", "skip_special_tokens", "no_stop_trim", "sampling_seed",
+                  "spaces_between_special_tokens"}
+_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_new_tokens": 0, "n": 1, "ebnf": None, "structural_tag": None, "custom_params": None,
+            "logit_bias": None}
+
+
+# ---- validation helpers ----------------------------------------------------------------------
+
+def _fail(message: str) -> None:
+    raise RequestError(message)
+
+
+def _int(value: Any, name: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            _fail(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        _fail(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        _fail(f"{name} must be <= {hi}, got {value}")
+    return value
+
+
+def _float(value: Any, name: str, lo: Optional[float] = None, hi: Optional[float] = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(f"{name} must be a finite number, got {value!r}")
+    if lo is not None and value < lo:
+        _fail(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        _fail(f"{name} must be <= {hi}, got {value}")
+    return float(value)
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _str_list(value: Any, name: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [s for s in value if s]
+    _fail(f"{name} must be a string or a list of strings, got {value!r}")
+
+
+def _token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not value:
+        _fail(f"{name} must be a non-empty list of token ids")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int):
+            _fail(f"{name} must contain integers, got {t!r}")
+        if not 0 <= t < vocab_size:
+            _fail(f"{name} contains token id {t} outside the vocabulary [0, {vocab_size})")
+    return list(value)
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": err_type, "code": status}, "object": "error"},
+                        status_code=status)
+
+
+# ---- request parsing ---------------------------------------------------------------------------
+
+class _Server:
+    """Per-app state: the engine plus the protocol glue around it."""
+
+    def __init__(self, engine: Engine, served_model_name: str, host: str = "127.0.0.1", port: int = 0):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.host, self.port = host, port
+        self.started = time.time()
+
+    # -- sampling params --
+
+    def sampling_params(self, raw: Any, prompt_len: int, default_max_new: Optional[int]) -> tuple[SamplingParams, Any]:
+        """Validate SGLang sampling params; returns them and the grammar spec (or None)."""
+        raw = {} if raw is None else raw
+        if not isinstance(raw, dict):
+            _fail("sampling_params must be a JSON object")
+        for key, value in raw.items():
+            if key in _SAMPLING_KEYS:
+                continue
+            if key in _NEUTRAL:
+                if value is not None and value != _NEUTRAL[key]:
+                    _fail(f"sampling_params.{key}={value!r} is not supported by the embedded server "
+                          f"(only {_NEUTRAL[key]!r})")
+                continue
+            _fail(f"unknown sampling_params key {key!r}; supported: {sorted(_SAMPLING_KEYS | set(_NEUTRAL))}")
+        ctx = self.engine.context_length
+        if prompt_len >= ctx:
+            _fail(f"the prompt has {prompt_len} tokens; the model's context length is {ctx}")
+        if raw.get("max_new_tokens") is None:
+            max_new = min(default_max_new if default_max_new is not None else ctx, ctx - prompt_len)
+        else:
+            max_new = _int(raw["max_new_tokens"], "max_new_tokens", lo=0)
+            if prompt_len + max_new > ctx:
+                _fail(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                      f"You requested a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the "
+                      f"input and {max_new} tokens for the completion.")
+        vocab = self.engine.vocab_size
+
+        def get(key: str, default: Any) -> Any:   # SGLang treats an explicit null as "unset"
+            value = raw.get(key)
+            return default if value is None else value
+
+        stop_ids = get("stop_token_ids", [])
+        if not isinstance(stop_ids, list):
+            _fail("stop_token_ids must be a list of token ids")
+        top_k = _int(get("top_k", -1), "top_k", lo=-1)
+        params = SamplingParams(
+            max_new_tokens=max_new,
+            temperature=_float(get("temperature", 1.0), "temperature", lo=0.0),
+            top_p=_float(get("top_p", 1.0), "top_p", lo=1e-9, hi=1.0),
+            top_k=-1 if top_k == 0 else top_k,
+            stop=_str_list(raw.get("stop"), "stop"),
+            stop_token_ids=[_int(t, "stop_token_ids[]", 0, vocab - 1) for t in stop_ids],
+            ignore_eos=_bool(get("ignore_eos", False), "ignore_eos"),
+            skip_special_tokens=_bool(get("skip_special_tokens", True), "skip_special_tokens"),
+            no_stop_trim=_bool(get("no_stop_trim", False), "no_stop_trim"),
+            sampling_seed=None if raw.get("sampling_seed") is None else _int(raw["sampling_seed"], "sampling_seed"),
+        )
+        return params, spec_from_params(raw)
+
+    async def compile(self, spec) -> Any:
+        """Compile a grammar spec off the event loop; GrammarError -> 400."""
+        if spec is None:
+            return None
+        return await asyncio.to_thread(self.engine.grammar.compile, spec)
+
+    # -- /generate --
+
+    async def parse_generate(self, body: dict) -> tuple[list[GenerateRequest], bool, list[bool]]:
+        """SGLang's GenerateReqInput -> engine requests, whether it was a batch, return_text flags."""
+        if body.get("stream"):
+            _fail("stream=true is not supported by the embedded server")
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if text is not None and input_ids is not None:
+            _fail("Either text or input_ids should be provided, not both.")
+        if text is None and input_ids is None:
+            _fail("Either text or input_ids should be provided.")
+        vocab = self.engine.vocab_size
+        if text is not None:
+            if isinstance(text, str):
+                prompts, batch = [text], False
+            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                prompts, batch = text, True
+            else:
+                _fail("text must be a string or a non-empty list of strings")
+            ids_list = [self.engine.tokenizer.encode(t) for t in prompts]
+            for t, ids in zip(prompts, ids_list):
+                if not ids:
+                    _fail(f"text {t!r} encodes to no tokens")
+        else:
+            if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+                ids_list = [_token_ids(x, f"input_ids[{i}]", vocab) for i, x in enumerate(input_ids)]
+                batch = True
+            else:
+                ids_list, batch = [_token_ids(input_ids, "input_ids", vocab)], False
+        n = len(ids_list)
+
+        def per_item(key: str, default: Any) -> list:
+            # None of these fields is a list for one sequence, so a list means one value per item.
+            value = body.get(key)
+            if value is None:
+                return [default] * n
+            if isinstance(value, list):
+                if not batch or len(value) != n:
+                    _fail(f"{key} is a list of {len(value)} but the request has {n} prompt(s)")
+                return [default if v is None else v for v in value]
+            return [value] * n
+
+        sps = per_item("sampling_params", {})
+        rids = per_item("rid", None)
+        return_lp = per_item("return_logprob", False)
+        starts = per_item("logprob_start_len", -1)
+        tops = per_item("top_logprobs_num", 0)
+        texts_in_lp = per_item("return_text_in_logprobs", False)
+        reqs = []
+        for i, ids in enumerate(ids_list):
+            params, spec = self.sampling_params(sps[i], len(ids), DEFAULT_MAX_NEW_TOKENS)
+            want_lp = _bool(return_lp[i], "return_logprob")
+            start = _int(starts[i], "logprob_start_len", lo=-1)
+            if want_lp and start > len(ids):
+                _fail(f"logprob_start_len={start} is higher than the number of input tokens ({len(ids)})")
+            top_n = _int(tops[i], "top_logprobs_num", lo=0, hi=vocab)
+            rid = rids[i]
+            if rid is not None and not isinstance(rid, str):
+                _fail(f"rid must be a string, got {rid!r}")
+            reqs.append(GenerateRequest(
+                input_ids=ids, params=params, rid=rid or uuid.uuid4().hex, return_logprob=want_lp,
+                logprob_start_len=start if want_lp else -1, top_logprobs_num=top_n if want_lp else 0,
+                grammar=await self.compile(spec)))
+        return reqs, batch, [bool(t) for t in texts_in_lp]
+
+    def sglang_response(self, req: GenerateRequest, res: GenerateResult, text_in_lp: bool) -> dict:
+        """SGLang's /generate reply for one sequence."""
+        decode = (lambda t: self.engine.tokenizer.decode([t])) if text_in_lp else (lambda t: None)
+        meta = {
+            "id": res.rid,
+            "finish_reason": res.finish_reason,
+            "prompt_tokens": len(res.prompt_ids),
+            "completion_tokens": len(res.output_ids),
+            "cached_tokens": 0,
+            "weight_version": res.weight_version,
+            "e2e_latency": res.e2e_latency,
+            "queue_time": res.queue_time,
+        }
+        if req.return_logprob:
+            meta["input_token_logprobs"] = [[lp, t, decode(t)] for lp, t in zip(res.input_logprobs, res.input_token_ids)]
+            meta["output_token_logprobs"] = [[lp, t, decode(t)] for lp, t in zip(res.output_logprobs, res.output_ids)]
+            if req.top_logprobs_num > 0:
+                def tops(entries):
+                    return [None if e is None else [[lp, t, decode(t)] for lp, t in e] for e in entries]
+                meta["input_top_logprobs"] = tops(res.input_top_logprobs or [])
+                meta["output_top_logprobs"] = tops(res.output_top_logprobs or [])
+        return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
+
+    async def run(self, request: Request, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+        """Submit ``reqs`` to the engine and await them; a client that disconnects aborts them."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for req in reqs:
+            fut = loop.create_future()
+
+            def done(result, fut=fut):
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+            self.engine.submit(req, done)
+            futures.append(fut)
+        pending = set(futures)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+            if pending and await request.is_disconnected():
+                for req, fut in zip(reqs, futures):
+                    if not fut.done():
+                        self.engine.abort(req.rid)
+                await asyncio.wait(pending)
+                break
+        return [f.result() for f in futures]
+
+    # -- OpenAI --
+
+    def openai_params(self, body: dict, prompt_len: int, default_max: Optional[int]) -> tuple[SamplingParams, Any]:
+        """OpenAI request fields (plus SGLang's extras) -> sampling params and grammar spec."""
+        if body.get("stream"):
+            _fail("stream=true is not supported by the embedded server")
+        n = body.get("n", 1)
+        if n not in (None, 1):
+            _fail("n must be 1 on the embedded server")
+        raw: dict = {}
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None:
+            raw["max_new_tokens"] = max_tokens
+        for key in ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "regex",
+                    "skip_special_tokens", "no_stop_trim"):
+            if body.get(key) is not None:
+                raw[key] = body[key]
+        if body.get("seed") is not None:
+            raw["sampling_seed"] = body["seed"]
+        for key in ("frequency_penalty", "presence_penalty"):
+            if body.get(key) not in (None, 0, 0.0):
+                _fail(f"{key} is not supported by the embedded server")
+        fmt = body.get("response_format")
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+                _fail("response_format.type must be text, json_object or json_schema")
+            if fmt["type"] == "json_object":
+                raw["json_schema"] = json.dumps({"type": "object"})
+            elif fmt["type"] == "json_schema":
+                js = fmt.get("json_schema")
+                schema = js.get("schema", js.get("schema_")) if isinstance(js, dict) else None
+                if schema is None:
+                    _fail("response_format.json_schema.schema is required")
+                raw["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
+        return self.sampling_params(raw, prompt_len, default_max)
+
+    def chat_prompt(self, messages: Any) -> list[int]:
+        """Apply the model's chat template (with the generation prompt) and tokenize."""
+        if not isinstance(messages, list) or not messages:
+            _fail("messages must be a non-empty list")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                _fail(f"messages[{i}] must be an object with a role")
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI content parts: keep the text ones
+                parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                content = "".join(parts)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                _fail(f"messages[{i}].content must be a string or a list of text parts")
+            clean.append({"role": m["role"], "content": content})
+        text = self.engine.tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            _fail("the chat prompt encodes to no tokens")
+        return ids
+
+    def content_len(self, res: GenerateResult, params: SamplingParams) -> int:
+        """Output tokens that belong to the text (a matched stop token is trimmed, as in ``text``)."""
+        matched = res.finish_reason.get("matched")
+        trimmed = (isinstance(matched, int) and not params.no_stop_trim and res.output_ids
+                   and res.output_ids[-1] == matched)
+        return len(res.output_ids) - (1 if trimmed else 0)
+
+    def token_str(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
+
+    def usage(self, results: list[GenerateResult]) -> dict:
+        p = sum(len(r.prompt_ids) for r in results)
+        c = sum(len(r.output_ids) for r in results)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _finish_type(res: GenerateResult) -> str:
+    return res.finish_reason["type"]
+
+
+# ---- the app ---------------------------------------------------------------------------------------
+
+def create_app(model_path: str, *, served_model_name: Optional[str] = None, host: str = "127.0.0.1",
+               port: int = 0, engine: Optional[Engine] = None, **engine_kwargs) -> FastAPI:
+    """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
+
+    ``engine_kwargs`` go to :class:`~aflow_rl.serving.engine.Engine` (``dtype``,
+    ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``).
+    """
+    engine = engine or Engine(model_path, **engine_kwargs)
+    srv = _Server(engine, served_model_name or model_path, host, port)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        log.info("embedded server ready: model=%s context=%d max_batch=%d threads=%d",
+                 model_path, engine.context_length, engine.max_batch_size, engine.threads)
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="aflow_rl embedded server", lifespan=lifespan)
+    app.state.server = srv
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(request: Request, exc: RequestError):
+        return _error(400, str(exc))
+
+    @app.exception_handler(GrammarError)
+    async def _bad_grammar(request: Request, exc: GrammarError):
+        return _error(400, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_validation(request: Request, exc: RequestValidationError):
+        return _error(400, str(exc))
+
+    # -- health and info --
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200) if engine.alive else _error(503, "engine is not running", "ServiceUnavailable")
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request):
+        if not engine.alive:
+            return _error(503, "engine is not running", "ServiceUnavailable")
+        probe = GenerateRequest(input_ids=[min(engine.eos_ids or {0})],
+                                params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                                rid=f"health-{uuid.uuid4().hex}")
+        try:
+            res = (await asyncio.wait_for(srv.run(request, [probe]), timeout=30.0))[0]
+        except asyncio.TimeoutError:
+            engine.abort(probe.rid)
+            return _error(503, "generation did not finish within 30 s", "ServiceUnavailable")
+        if _finish_type(res) == "abort":
+            return _error(503, res.finish_reason.get("message", "aborted"), "ServiceUnavailable")
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {"model_path": engine.model_path, "tokenizer_path": model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": engine.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": getattr(engine.config, "model_type", None),
+                "architectures": getattr(engine.config, "architectures", None)}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return {"model_path": engine.model_path, "tokenizer_path": model_path,
+                "served_model_name": srv.served_model_name, "host": srv.host, "port": srv.port,
+                "context_length": engine.context_length, "max_running_requests": engine.max_batch_size,
+                "max_prefill_tokens": engine.max_prefill_tokens, "dtype": engine.dtype_name,
+                "threads": engine.threads, "random_seed": engine.random_seed, "device": "cpu",
+                "grammar_backend": "xgrammar",
+                "constrained_json_disable_any_whitespace": not engine.grammar.any_whitespace,
+                "weight_version": engine.weight_version, "version": SERVER_VERSION,
+                "uptime_s": time.time() - srv.started, "internal_states": [engine.load()]}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        # There is no prefix cache to flush: every request's KV lives only while it runs.
+        return PlainTextResponse("Cache flushed.\n", status_code=200)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await _json_body(request)
+        rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
+        if not isinstance(rid, str):
+            _fail("rid must be a string")
+        if not rid and not abort_all:
+            _fail("give a rid, or abort_all=true")
+        engine.abort(rid or None, abort_all)
+        return Response(status_code=200)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await _json_body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            _fail("model_path (a Hugging Face model directory) is required")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, (str, int)):
+            _fail("weight_version must be a string")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        engine.update_weights_from_disk(
+            path, None if version is None else str(version),
+            lambda ok, msg: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result((ok, msg))),
+            abort_all=bool(body.get("abort_all_requests", False)))
+        ok, message = await fut
+        return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0,
+                             "weight_version": engine.weight_version}, status_code=200 if ok else 400)
+
+    # -- native generation --
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await _json_body(request)
+        reqs, batch, text_lp = await srv.parse_generate(body)
+        results = await srv.run(request, reqs)
+        out = [srv.sglang_response(r, res, t) for r, res, t in zip(reqs, results, text_lp)]
+        return JSONResponse(out if batch else out[0])
+
+    # -- OpenAI-compatible --
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": srv.served_model_name, "object": "model",
+                                            "created": int(srv.started), "owned_by": "aflow_rl",
+                                            "root": engine.model_path, "max_model_len": engine.context_length}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _json_body(request)
+        ids = srv.chat_prompt(body.get("messages"))
+        params, spec = srv.openai_params(body, len(ids), None)
+        want_lp = _bool(body.get("logprobs", False) or False, "logprobs")
+        top_n = _int(body.get("top_logprobs") or 0, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        req = GenerateRequest(input_ids=ids, params=params, rid=f"chatcmpl-{uuid.uuid4().hex}",
+                              return_logprob=want_lp, top_logprobs_num=top_n if want_lp else 0,
+                              grammar=await srv.compile(spec))
+        res = (await srv.run(request, [req]))[0]
+        logprobs = None
+        if want_lp:
+            content = []
+            for j in range(srv.content_len(res, params)):
+                tok = srv.token_str(res.output_ids[j])
+                entry = {"token": tok, "logprob": res.output_logprobs[j], "bytes": list(tok.encode("utf-8")),
+                         "top_logprobs": []}
+                if res.output_top_logprobs:
+                    for lp, t in res.output_top_logprobs[j]:
+                        s = srv.token_str(t)
+                        entry["top_logprobs"].append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))})
+                content.append(entry)
+            logprobs = {"content": content, "refusal": None}
+        matched = res.finish_reason.get("matched")
+        return {"id": res.rid, "object": "chat.completion", "created": int(time.time()),
+                "model": srv.served_model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
+                             "logprobs": logprobs, "finish_reason": _finish_type(res), "matched_stop": matched}],
+                "usage": srv.usage([res]), "metadata": {"weight_version": res.weight_version}}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _json_body(request)
+        if body.get("echo"):
+            _fail("echo=true is not supported by the embedded server")
+        if body.get("suffix"):
+            _fail("suffix is not supported by the embedded server")
+        prompt = body.get("prompt")
+        vocab = engine.vocab_size
+        if isinstance(prompt, str):
+            prompts = [engine.tokenizer.encode(prompt)]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = [engine.tokenizer.encode(p) for p in prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            prompts = [_token_ids(p, f"prompt[{i}]", vocab) for i, p in enumerate(prompt)]
+        elif isinstance(prompt, list):
+            prompts = [_token_ids(prompt, "prompt", vocab)]
+        else:
+            _fail("prompt must be a string, a list of strings, or token ids")
+        if any(not p for p in prompts):
+            _fail("prompt encodes to no tokens")
+        top_n = body.get("logprobs")
+        top_n = None if top_n is None else _int(top_n, "logprobs", 0, MAX_TOP_LOGPROBS)
+        reqs, all_params = [], []
+        for ids in prompts:
+            params, spec = srv.openai_params(body, len(ids), 16)   # OpenAI's default max_tokens
+            all_params.append(params)
+            reqs.append(GenerateRequest(input_ids=ids, params=params, rid=f"cmpl-{uuid.uuid4().hex}",
+                                        return_logprob=top_n is not None, top_logprobs_num=top_n or 0,
+                                        grammar=await srv.compile(spec)))
+        results = await srv.run(request, reqs)
+        choices = []
+        for i, (res, params) in enumerate(zip(results, all_params)):
+            logprobs = None
+            if top_n is not None:
+                n = srv.content_len(res, params)
+                tokens = [srv.token_str(t) for t in res.output_ids[:n]]
+                offsets, pos = [], 0
+                for s in tokens:
+                    offsets.append(pos)
+                    pos += len(s)
+                logprobs = {"tokens": tokens, "token_logprobs": res.output_logprobs[:n],
+                            "top_logprobs": [{srv.token_str(t): lp for lp, t in e} for e in
+                                             (res.output_top_logprobs or [[]] * n)[:n]] if top_n else None,
+                            "text_offset": offsets}
+            choices.append({"index": i, "text": res.text, "logprobs": logprobs, "finish_reason": _finish_type(res),
+                            "matched_stop": res.finish_reason.get("matched")})
+        return {"id": results[0].rid, "object": "text_completion", "created": int(time.time()),
+                "model": srv.served_model_name, "choices": choices, "usage": srv.usage(results),
+                "metadata": {"weight_version": results[0].weight_version}}
+
+    return app
+
+
+# ---- command line ------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI contract the server manager relies on."""
+    ap = argparse.ArgumentParser(prog="python -m aflow_rl.serving.embedded",
+                                 description="Embedded CPU server speaking SGLang's HTTP API.")
+    ap.add_argument("--model-path", required=True, help="Hugging Face model directory")
+    ap.add_argument("--port", type=int, default=30000, help="port to listen on (SGLang's default 30000)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind")
+    ap.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=64,
+                    help="most sequences decoded together; more requests wait")
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="prompt + output token limit (default: the model's max_position_embeddings)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="weights dtype; auto keeps bfloat16 checkpoints, else float32")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cpu count))")
+    ap.add_argument("--served-model-name", default=None, help="model id in /v1 replies (default: the path)")
+    ap.add_argument("--random-seed", type=int, default=None, help="seed of the shared sampling generator")
+    ap.add_argument("--json-any-whitespace", action="store_true",
+                    help="JSON grammars allow free whitespace (SGLang's default); off = compact JSON, like "
+                         "SGLang's --constrained-json-disable-any-whitespace")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Load the model, then serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not os.path.isdir(args.model_path):
+        raise SystemExit(f"--model-path {args.model_path!r} is not a directory")
+    app = create_app(args.model_path, served_model_name=args.served_model_name, host=args.host, port=args.port,
+                     dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
+                     threads=args.threads, json_any_whitespace=args.json_any_whitespace,
+                     random_seed=args.random_seed)
+    # uvicorn's own logs stay at warning: an access line per request would cost throughput.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.log_level == "debug" else "warning",
+                access_log=False, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()
