@@ -121,7 +121,7 @@ class SwarmEnvConfig:
     min_items: int = _f(3, "Fewest items (or hops) in a generated task.")
     max_items: int = _f(6, "Most items (or hops) in a generated task.")
     subagents: Literal["simulated", "llm"] = _f("simulated", "Subagent pool: simulated profiles or the actor LLM.")
-    max_steps: int = _f(12, "Orchestrator turns per episode.")
+    max_steps: int = _f(24, "Orchestrator turns per episode (a single agent needs ~3 per wide item).")
     max_concurrent_subagents: int = _f(8, "Cap on subagents running at once.")
     max_tool_calls: int = _f(16, "Tool-call budget per episode.")
     max_tokens: int = _f(20000, "Token budget (orchestrator + subagents) per episode.")
@@ -133,6 +133,7 @@ class SwarmEnvConfig:
     action_schema: bool = _f(True, "Constrain model turns with the action JSON schema (false: free text).")
     kb_seed: int = _f(0, "Seed of the local knowledge base that tasks are asked about.")
     bandit_latency_coef: float = _f(0.02, "bandit baseline: its reward is item_f1 - coef * critical_steps.")
+    bandit_ucb_c: float = _f(0.1, "bandit baseline: UCB1 exploration coefficient.")
 
 
 @dataclass

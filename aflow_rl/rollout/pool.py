@@ -45,6 +45,8 @@ from aflow_rl.rollout.slots import (DEAD, READY, STARTING, DaskSlot, InlineSlot,
                                     ThreadSlot, callback_host)
 from aflow_rl.rollout.types import Trajectory, WorkerContext
 
+_EOF_WAIT_S = 2.0  # how long a connected worker's socket may outlive its process
+
 __all__ = ["RolloutPool", "PoolError", "WorkerStartError", "make_episodes", "whole_groups"]
 
 
@@ -63,7 +65,8 @@ class _Episode:
     attempt: int = 1
     isolate: bool = False          # suspected of crashing a process: runs alone
     errors: list[str] = field(default_factory=list)
-    deadline: float = float("inf")  # hard deadline of the attempt in flight
+    started: bool = False          # the worker reported it running (not just waiting there)
+    deadline: float = float("inf")  # hard deadline of the attempt running
 
     def payload(self) -> dict:
         return {**self.task, "episode_id": self.episode_id, "group_id": self.group_id, "attempt": self.attempt}
@@ -239,24 +242,33 @@ class RolloutPool:
         for slot in ready:
             if slot.reserved or any(ep.isolate for ep in slot.inflight.values()):
                 continue
-            room = slot.concurrency - len(slot.inflight)
+            room = slot.concurrency + slot.prefetch - len(slot.inflight)
             batch = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
             if batch:
                 self._send(slot, batch)
 
     def _send(self, slot: Slot, episodes: list[_Episode]) -> None:
-        deadline = time.monotonic() + self.cfg.episode_timeout_s + self.cfg.timeout_grace_s
         for ep in episodes:
-            # The caller's own thread (sequential) cannot be interrupted, so it gets no hard deadline.
-            ep.deadline = float("inf") if slot.kind == "inline" else deadline
+            ep.started, ep.deadline = False, float("inf")
             slot.inflight[ep.episode_id] = ep
         slot.send(("run", [ep.payload() for ep in episodes]))
+
+    def _started(self, slot: Slot, eids: list[str]) -> None:
+        """The hard deadline runs from the reported start (an episode may wait its turn in the worker)."""
+        # The caller's own thread (sequential) cannot be interrupted, so it gets no hard deadline.
+        deadline = float("inf") if slot.kind == "inline" else (
+            time.monotonic() + self.cfg.episode_timeout_s + self.cfg.timeout_grace_s)
+        for eid in eids:
+            ep = slot.inflight.get(eid)
+            if ep is not None:
+                ep.started, ep.deadline = True, deadline
 
     def _step(self) -> None:
         """Handle one event, or the deadline that comes first."""
         now = time.monotonic()
         wake = min([_oldest(s).deadline for s in self.slots if s.inflight]
-                   + [s.start_deadline for s in self.slots if s.state == STARTING] + [now + 1.0])
+                   + [s.start_deadline for s in self.slots if s.state == STARTING]
+                   + [s.exited_at + _EOF_WAIT_S for s in self.slots if s.exited_at] + [now + 1.0])
         try:
             index, gen, msg = self._events.get(timeout=max(0.0, wake - now))
         except queue.Empty:
@@ -270,14 +282,15 @@ class RolloutPool:
         kind = msg[0]
         if kind == "hello":
             self._hello(slot, msg[1], msg[2])
+        elif kind == "started":
+            self._started(slot, msg[1])
         elif kind == "done":
+            self._started(slot, msg[3])
             self._done(slot, msg[1], msg[2])
-        elif kind == "tainted":
-            if slot.killable:
-                slot.tainted = True
-                self._recycle_if_drained(slot)
         elif kind == "lost":
             self._lost(slot, msg[1])
+        elif kind == "exited":
+            self._exited(slot, msg[1])
         self._check_deadlines()
 
     def _hello(self, slot: Slot, info: dict, conn: Any) -> None:
@@ -292,38 +305,54 @@ class RolloutPool:
         if ep is not None and ep.run_id == self._run_id:
             if isinstance(result, EpisodeError):
                 self._charge(ep, result.kind, result.error)
+                if result.stuck and slot.killable:
+                    slot.tainted = True  # its thread still runs: no new work; replace once drained
             else:
                 if ep.errors:
                     result.info["retry_errors"] = list(ep.errors)
                 self._finished.append(result)
         self._recycle_if_drained(slot)
 
+    def _exited(self, slot: Slot, reason: str) -> None:
+        """The launcher saw the worker end. Once connected, wait for the socket's EOF (it follows the
+        worker's last results); before that, this is the only news of it."""
+        if slot.state == STARTING:
+            error = slot.start_error()
+            if error:
+                raise WorkerStartError(error)
+            self._lost(slot, reason)
+        elif slot.exited_at is None:
+            slot.exited_at = time.monotonic()
+
     def _lost(self, slot: Slot, reason: str) -> None:
         """A slot's process or thread went away on its own."""
         starting = slot.state == STARTING
         reason = slot.exit_reason(wait=2.0) or reason  # loky knows the exit code, e.g. SIGKILL(-9)
-        flights = list(slot.inflight.values())
+        running = [ep for ep in slot.inflight.values() if ep.started]
+        waiting = [ep for ep in slot.inflight.values() if not ep.started]
         slot.kill()
         self.stats["pool/worker_deaths"] += 1
         if starting:
             raise PoolError(f"{slot.kind} worker {slot.index} died while starting ({reason}); "
                             f"rollout.worker={self.cfg.worker!r}")
         what = f"worker process {slot.pid} died ({reason})"
-        if len(flights) == 1:  # the only episode on it: the culprit
-            self._charge(flights[0], "failed", f"{what} while running this episode")
+        if len(running) == 1:  # the only episode running on it: the culprit
+            self._charge(running[0], "failed", f"{what} while running this episode")
         else:
-            for ep in flights:  # any of them may have done it: each re-runs alone, uncharged
-                if ep.run_id == self._run_id:
-                    ep.isolate = True
-                    ep.errors.append(f"attempt {ep.attempt} (not counted): {what} with {len(flights)} "
-                                     "episodes on it; re-run alone")
-                    self._quarantine.append(ep)
-                    self.stats["pool/requeued"] += 1
+            for ep in running:  # any of them may have done it: each re-runs alone, uncharged
+                ep.isolate = True
+                ep.errors.append(f"attempt {ep.attempt} (not counted): {what} with {len(running)} "
+                                 "episodes running on it; re-run alone")
+                self._requeue(ep)
+        for ep in reversed(waiting):  # had not started: innocent, and first in line again
+            self._requeue(ep)
         self._start_slot(slot)
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for slot in self.slots:
+            if slot.state == READY and slot.exited_at is not None and now > slot.exited_at + _EOF_WAIT_S:
+                self._lost(slot, "worker exited")  # no EOF: a forked child may hold the socket open
             if slot.state == STARTING and now > slot.start_deadline:
                 raise PoolError(
                     f"{slot.kind} worker {slot.index} did not start within rollout.start_timeout_s="
@@ -335,7 +364,7 @@ class RolloutPool:
 
     def _expire(self, slot: Slot, overdue: list[_Episode]) -> None:
         """No word from a worker past the hard deadline: its loop is blocked. Kill it and replace it."""
-        others = [ep for ep in slot.inflight.values() if ep not in overdue]
+        others = list(slot.inflight.values())[len(overdue):]
         slot.kill()
         self.stats["pool/worker_kills"] += 1
         limit = self.cfg.episode_timeout_s + self.cfg.timeout_grace_s
@@ -344,15 +373,20 @@ class RolloutPool:
         if len(overdue) == 1:
             self._charge(overdue[0], "timeout", what)
         else:  # several went quiet together: the one blocking the loop is unknown
-            others += overdue
+            others = overdue + others
             for ep in overdue:
                 ep.isolate = True
-        for ep in others:
-            if ep.run_id == self._run_id:
+        for ep in reversed(others):
+            if ep.started:
                 ep.errors.append(f"attempt {ep.attempt} (not counted): {what}; re-run")
-                (self._quarantine if ep.isolate else self._pending).appendleft(ep)
-                self.stats["pool/requeued"] += 1
+            self._requeue(ep)
         self._start_slot(slot)
+
+    def _requeue(self, ep: _Episode) -> None:
+        """Back to the front of the line without losing an attempt (collateral of someone else's failure)."""
+        if ep.run_id == self._run_id:
+            (self._quarantine if ep.isolate else self._pending).appendleft(ep)
+            self.stats["pool/requeued"] += 1
 
     def _charge(self, ep: _Episode, kind: str, error: str) -> None:
         """Count a failed attempt: retry it, or return it as failed/timeout with its errors."""

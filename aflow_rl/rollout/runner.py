@@ -14,6 +14,7 @@ alive and is fed episodes as earlier ones finish.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import importlib
 import inspect
@@ -224,8 +225,13 @@ async def serve(link: Link, runner: EpisodeRunner, concurrency: int, timeout_s: 
     """Run the episodes the pool sends until it says stop or goes away.
 
     Messages in: ``("run", [task, ...])``, ``("cancel", [episode_id, ...])``,
-    ``("stop",)``. Out: ``("done", episode_id, Trajectory | EpisodeError)`` as
-    each finishes, and ``("tainted", reason)`` once a sync episode is stuck.
+    ``("stop",)``. Up to ``concurrency`` episodes run at once; the pool may
+    send a few more, which wait here in order so that a finished episode's
+    place is refilled without a round trip to the pool. Out:
+    ``("started", [episode_id, ...])`` and ``("done", episode_id, result,
+    started)`` where ``started`` lists the waiting episodes its place went to.
+    A start is always reported before the episode's code runs, so after a
+    crash the pool knows exactly which episodes were running.
     """
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
@@ -244,48 +250,55 @@ async def serve(link: Link, runner: EpisodeRunner, concurrency: int, timeout_s: 
                 return
 
     threading.Thread(target=pump, daemon=True, name="rollout-link-reader").start()
+    waiting: collections.deque[dict] = collections.deque()
     running: dict[str, asyncio.Task] = {}
-    gate = asyncio.Semaphore(concurrency)  # the pool never sends more; this only guards against a bug there
-    tainted = False
+
+    def fill() -> list[str]:
+        started = []
+        while waiting and len(running) < concurrency:
+            task = waiting.popleft()
+            running[task["episode_id"]] = asyncio.ensure_future(one(task))  # its code runs after we report
+            started.append(task["episode_id"])
+        return started
 
     async def one(task: dict) -> None:
-        nonlocal tainted
         eid = task["episode_id"]
         try:
-            async with gate:
-                result = await runner.run(task, timeout_s)
+            result = await runner.run(task, timeout_s)
         finally:
             running.pop(eid, None)
-        _send_result(link, eid, result)
-        if isinstance(result, EpisodeError) and result.stuck and not tainted:
-            tainted = True
-            link.send(("tainted", f"a sync episode ({eid}) still runs past its timeout"))
+        _send_result(link, eid, result, fill())
 
     while True:
         msg = await inbox.get()
         if msg is None or msg[0] == "stop":
             break
         if msg[0] == "run":
-            for task in msg[1]:
-                running[task["episode_id"]] = asyncio.ensure_future(one(task))
+            waiting.extend(msg[1])
         elif msg[0] == "cancel":
-            for eid in msg[1]:
-                job = running.get(eid)
+            dropped = set(msg[1])
+            waiting = collections.deque(t for t in waiting if t["episode_id"] not in dropped)
+            for eid in dropped:
+                job = running.pop(eid, None)
                 if job is not None:
                     job.cancel()
+        started = fill()
+        if started:
+            link.send(("started", started))
     for job in list(running.values()):
         job.cancel()
     if running:
         await asyncio.wait(list(running.values()), timeout=2.0)
 
 
-def _send_result(link: Link, eid: str, result: Any) -> None:
+def _send_result(link: Link, eid: str, result: Any, started: list[str]) -> None:
     try:
-        link.send(("done", eid, result))
+        link.send(("done", eid, result, started))
     except (EOFError, OSError, BrokenPipeError):
         raise
     except Exception as exc:  # pickling failed before anything was written: the stream is intact
-        link.send(("done", eid, EpisodeError("failed", f"result could not be sent to the pool: {exc!r}")))
+        error = EpisodeError("failed", f"result could not be sent to the pool: {exc!r}")
+        link.send(("done", eid, error, started))
 
 
 class _ConnLink:
@@ -304,11 +317,12 @@ class _ConnLink:
 
 
 def serve_remote(address: Any, authkey: bytes, slot: int, gen: int, spec: str, ctx: WorkerContext,
-                 concurrency: int, timeout_s: float, sys_path: list[str]) -> str:
+                 concurrency: int, timeout_s: float, sys_path: list[str]) -> dict:
     """Entry point of a loky or dask slot: connect back, start the worker, serve until stopped.
 
     The hello message carries the start-up error, if any, so the pool can
-    stop at once with the worker's own message (module, sys.path).
+    stop at once with the worker's own message (module, sys.path); the return
+    value repeats it for a pool that hears of the exit before the hello.
     """
     extend_sys_path(sys_path)
     conn = Client(address, authkey=authkey)
@@ -323,4 +337,4 @@ def serve_remote(address: Any, authkey: bytes, slot: int, gen: int, spec: str, c
             asyncio.run(serve(_ConnLink(conn), runner, concurrency, timeout_s))
     finally:
         conn.close()
-    return "stopped"
+    return info

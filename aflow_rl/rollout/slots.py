@@ -15,7 +15,10 @@ conn)`` when a slot is up and ``("lost", reason)`` when it is gone.
 - ``InlineSlot``: the caller's thread, one episode at a time (sequential backend).
 
 Process and dask slots talk to the pool over a ``multiprocessing.connection``
-socket (``Switchboard``), authenticated with a per-pool random key.
+socket (``Switchboard``), authenticated with a per-pool random key. Their
+loss is signalled by the socket's end of file, which comes after every
+message the worker sent, so no finished result is lost in a crash; the
+launcher's own ``("exited", reason)`` serves while there is no socket yet.
 """
 from __future__ import annotations
 
@@ -93,6 +96,10 @@ class Slot:
                  concurrency: int, timeout_s: float):
         self.index, self.events, self.spec, self.ctx = index, events, spec, ctx
         self.concurrency, self.timeout_s = concurrency, timeout_s
+        # Episodes sent beyond `concurrency` wait in the worker, so a finished episode's place is
+        # refilled at once instead of after a round trip through the pool (measured: 80% -> 90%+ of
+        # the ideal rate at 0.2 s episodes). A quarter keeps the tail imbalance between workers small.
+        self.prefetch = concurrency // 4
         self.gen = 0
         self.state = DEAD
         self.pid: int | None = None
@@ -100,12 +107,13 @@ class Slot:
         self.tainted = False                # a stuck sync thread: drain, then replace
         self.reserved = False               # draining so that it can run a suspect alone
         self.start_deadline = 0.0
+        self.exited_at: float | None = None  # the launcher saw it exit; the socket's EOF should follow
 
     def start(self) -> None:
         """Launch a fresh generation; its hello arrives as an event."""
         self.gen += 1
         self.state, self.pid, self.tainted, self.reserved = STARTING, None, False, False
-        self.inflight = {}
+        self.inflight, self.exited_at = {}, None
         self._launch()
 
     def ready(self, info: dict, conn: Any) -> None:
@@ -132,6 +140,10 @@ class Slot:
         """Why the slot went away, if the launcher knows (e.g. loky's exit code)."""
         return ""
 
+    def start_error(self) -> str:
+        """The worker's start-up error, if it exited with one before its hello was read."""
+        return ""
+
 
 class _ConnSlot(Slot):
     """A slot that talks over a Switchboard connection."""
@@ -149,7 +161,7 @@ class _ConnSlot(Slot):
 
     def _watch(self) -> None:
         gen = self.gen
-        self.future.add_done_callback(lambda f: self.events.put((self.index, gen, ("lost", _reason(f)))))
+        self.future.add_done_callback(lambda f: self.events.put((self.index, gen, ("exited", _reason(f)))))
 
     def ready(self, info: dict, conn: Any) -> None:
         super().ready(info, conn)
@@ -179,6 +191,13 @@ class _ConnSlot(Slot):
         except Exception:  # still running, cancelled, or the wait timed out
             pass
         return _reason(self.future) if self.future.done() else ""
+
+    def start_error(self) -> str:
+        f = self.future
+        if f is None or not f.done() or f.cancelled() or f.exception() is not None:
+            return ""
+        info = f.result()
+        return info.get("error") or "" if isinstance(info, dict) else ""
 
 
 class LokySlot(_ConnSlot):
@@ -232,6 +251,10 @@ class DaskSlot(_ConnSlot):
         self._close_conn()  # the serve loop sees EOF and returns, unless its loop is blocked
         if self.future is not None:
             self.future.cancel()  # and dask does not re-run it elsewhere
+
+    def exit_reason(self, wait: float) -> str:
+        # A dead dask worker's task is rescheduled, not failed: waiting on it would only stall the pool.
+        return _reason(self.future) if self.future is not None and self.future.done() else ""
 
     def join(self, timeout: float) -> None:
         if self.future is None:
@@ -295,7 +318,7 @@ class InlineSlot(Slot):
     killable = False
 
     def _launch(self) -> None:
-        self.concurrency = 1
+        self.concurrency, self.prefetch = 1, 0
         try:
             self.runner: EpisodeRunner | None = get_runner(self.spec, self.ctx)
         except WorkerStartError as exc:
@@ -310,7 +333,7 @@ class InlineSlot(Slot):
             return
         for task in msg[1]:
             result = self.loop.run_until_complete(self.runner.run(task, self.timeout_s, inline=True))
-            self.events.put((self.index, self.gen, ("done", task["episode_id"], result)))
+            self.events.put((self.index, self.gen, ("done", task["episode_id"], result, [])))
 
     def join(self, timeout: float) -> None:
         if getattr(self, "loop", None) is not None and not self.loop.is_closed():

@@ -14,12 +14,18 @@ Bad input gets HTTP 400 with ``{"error": {"message", "type", "code"}}``.
 """
 from __future__ import annotations
 
+import os
+
+# Must precede the first `import torch` of the process. With the default (active) policy,
+# idle OpenMP threads spin, and on a small shared CPU box a 2-thread decode step of the
+# tiny model measured 77 ms instead of 2.6 ms while other processes were busy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import asyncio
 import json
 import logging
 import math
-import os
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -626,6 +632,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not os.path.isdir(args.model_path):
         raise SystemExit(f"--model-path {args.model_path!r} is not a directory")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per weight update would clutter the log
     app = create_app(args.model_path, served_model_name=args.served_model_name, host=args.host, port=args.port,
                      dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
                      threads=args.threads, json_any_whitespace=args.json_any_whitespace,

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 import torch
 import xgrammar as xgr
 
+# Characters a JSON string never holds raw: controls, and surrogates (invalid in UTF-8).
+_NOT_IN_JSON_STRINGS = r"\0-\x1f\uD800-\uDFFF"
 # Bit k of int32 word w in an xgrammar bitmask says whether token 32*w + k is allowed.
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
@@ -101,7 +103,8 @@ class GrammarBackend:
             raise GrammarError("no json_schema or regex given")
         try:
             if spec.kind == "json_schema":
-                return self.compiler.compile_json_schema(spec.value, any_whitespace=self.any_whitespace)
+                grammar = xgr.Grammar.from_json_schema(spec.value, any_whitespace=self.any_whitespace)
+                return self.compiler.compile_grammar(strict_json_strings(str(grammar)))
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.value)
         except Exception as exc:  # xgrammar raises RuntimeError / InvalidJSONError with the reason
@@ -115,6 +118,42 @@ class GrammarBackend:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 bitmask ``[rows, ceil(V/32)]`` for ``fill_next_token_bitmask``."""
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+
+def strict_json_strings(ebnf: str) -> str:
+    r"""Make every negated character class of a JSON grammar exclude what JSON strings cannot hold.
+
+    Two gaps in xgrammar 0.2.8 let a sampler produce output that ``json.loads`` or a
+    schema validator then rejects: length-bounded strings (``maxLength``) are written
+    as ``[^"\\\r\n]{0,k}``, admitting raw control characters U+0000-U+001F; and every
+    string admits UTF-8-encoded surrogates (``\xed\xa0\x80``-``\xed\xbf\xbf``), which
+    are invalid UTF-8 and decode to three replacement characters (breaking ``maxLength``).
+    Negated classes in xgrammar's JSON grammars only ever describe string contents,
+    so each gets ``\0-\x1f\uD800-\uDFFF`` added; quoted literals (enum values) are
+    left untouched.
+    """
+    out, i, n = [], 0, len(ebnf)
+    while i < n:
+        c = ebnf[i]
+        if c == '"':                                   # a literal: copy through its closing quote
+            j = i + 1
+            while j < n and ebnf[j] != '"':
+                j += 2 if ebnf[j] == "\\" else 1
+            out.append(ebnf[i:j + 1])
+            i = j + 1
+        elif c == "[":                                 # a character class: copy through its ']'
+            j = i + 1
+            while j < n and ebnf[j] != "]":
+                j += 2 if ebnf[j] == "\\" else 1
+            cls = ebnf[i:j + 1]
+            if cls.startswith("[^"):
+                cls = "[^" + _NOT_IN_JSON_STRINGS + cls[2:]
+            out.append(cls)
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 @functools.lru_cache(maxsize=8)

@@ -22,7 +22,7 @@ from typing import Any
 from aflow_rl.envs.swarm.actions import Action
 from aflow_rl.envs.swarm.observation import Observation
 from aflow_rl.envs.swarm.policies import Decision, rule_decision
-from aflow_rl.envs.swarm.tasks import item_depths, topological_order
+from aflow_rl.envs.swarm.tasks import topological_order
 
 _TOKEN_RESERVE = 0.9  # rule policies finish once this fraction of the token budget is spent
 
@@ -97,8 +97,10 @@ class SingleAgent:
 class Heuristic:
     """One subagent per item, join, one replan of failures, finish.
 
-    Profile rule: ``large`` when the dependency chain is longer than two items
-    (an error early in a chain is paid for by every later item), else ``medium``.
+    Profile rule: ``large`` unless told otherwise. The orchestrator cannot check
+    a subagent's answer without redoing its work, so a rule that must not lose
+    quality takes the profile that never reports a wrong answer; the bandit
+    learns when a cheaper profile is good enough.
     """
 
     name = "heuristic"
@@ -113,9 +115,7 @@ class Heuristic:
         pass
 
     def choose_profile(self, items: list[dict]) -> str:
-        if self.profile:
-            return self.profile
-        return "large"
+        return self.profile or "large"
 
     async def act(self, obs: Observation) -> Decision:
         v = obs.view
@@ -148,16 +148,19 @@ def bandit_context(task: dict) -> str:
 
 
 class Bandit:
-    """UCB1 per context over serial vs parallel execution and the subagent profile (learns online)."""
+    """UCB1 per context over serial vs parallel execution and the subagent profile (learns online).
+
+    Several episodes may run at once in one worker (asyncio), so the arm of
+    each open episode is kept by episode id.
+    """
 
     name = "bandit"
 
-    def __init__(self, latency_coef: float = 0.02, ucb_c: float = 0.5):
+    def __init__(self, latency_coef: float = 0.02, ucb_c: float = 0.1):
         self.latency_coef, self.ucb_c = latency_coef, ucb_c
         self.counts: dict[str, list[int]] = {}
         self.sums: dict[str, list[float]] = {}
-        self._arm: int | None = None
-        self._ctx = ""
+        self._open: dict[str, tuple[str, int]] = {}   # episode id -> (context, arm)
         self._single, self._parallel = SingleAgent(), {a: Heuristic(a.split("-")[1]) for a in ARMS[1:]}
 
     def choose(self, ctx: str) -> int:
@@ -175,21 +178,22 @@ class Bandit:
         self.sums.setdefault(ctx, [0.0] * len(ARMS))[arm] += reward
 
     def begin_episode(self, task: dict) -> None:
-        self._ctx = bandit_context(task)
-        self._arm = self.choose(self._ctx)
+        ctx = bandit_context(task)
+        self._open[str(task.get("episode_id", task["task_id"]))] = (ctx, self.choose(ctx))
 
     async def act(self, obs: Observation) -> Decision:
-        if self._arm is None:
-            self.begin_episode({"suite": obs.view["suite"], "items": obs.view["items"]})
-        arm = ARMS[self._arm]
+        key = obs.view["episode_id"]
+        if key not in self._open:
+            self.begin_episode({"task_id": key, "suite": obs.view["suite"], "items": obs.view["items"]})
+        arm = ARMS[self._open[key][1]]
         return await (self._single.act(obs) if arm == "single" else self._parallel[arm].act(obs))
 
     def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
-        if self._arm is None:
+        opened = self._open.pop(str(task.get("episode_id", task["task_id"])), None)
+        if opened is None:
             return
         reward = metrics.get("item_f1", 0.0) - self.latency_coef * metrics.get("critical_steps", 0.0)
-        self.update(self._ctx, self._arm, reward)
-        self._arm = None
+        self.update(opened[0], opened[1], reward)
 
     def table(self) -> dict[str, dict[str, float]]:
         """Mean reward per context and arm (what the bandit has learned), for reports."""
@@ -203,5 +207,5 @@ def make_baseline(name: str, cfg: Any) -> Any:
     if name == "heuristic":
         return Heuristic()
     if name == "bandit":
-        return Bandit(latency_coef=cfg.env.swarm.bandit_latency_coef)
+        return Bandit(latency_coef=cfg.env.swarm.bandit_latency_coef, ucb_c=cfg.env.swarm.bandit_ucb_c)
     raise ValueError(f"env.swarm.policy: unknown policy {name!r}; choose model, single, heuristic or bandit")

@@ -57,7 +57,8 @@ def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | 
     items = public_items(task)
     b = rt.budgets
     view: dict[str, Any] = {
-        "task_id": task["task_id"], "suite": task.get("suite", ""), "items": items,
+        "task_id": task["task_id"], "episode_id": str(task.get("episode_id", task["task_id"])),
+        "suite": task.get("suite", ""), "items": items,
         "step": rt.steps, "max_steps": b.max_steps, "tool_calls": rt.tool_calls,
         "max_tool_calls": b.max_tool_calls, "tokens": rt.tokens_in + rt.tokens_out,
         "max_tokens": b.max_tokens, "max_concurrent": b.max_concurrent,

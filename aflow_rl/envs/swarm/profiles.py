@@ -45,14 +45,16 @@ class Profile:
 
 
 PROFILES: dict[str, Profile] = {
-    "small": Profile("small", p_fail=0.15, p_wrong=0.05, extra_steps=2, ms_per_step=400.0,
-                     tokens_in_per_step=250, tokens_out_per_step=40, usd_in_per_mtok=0.05,
+    # A step is one short ReAct turn (a tool call as JSON, ~30 tokens) over a ~300-token context;
+    # larger models decode more slowly, cost more and fail less.
+    "small": Profile("small", p_fail=0.15, p_wrong=0.05, extra_steps=2, ms_per_step=250.0,
+                     tokens_in_per_step=300, tokens_out_per_step=30, usd_in_per_mtok=0.05,
                      usd_out_per_mtok=0.2, max_steps=6, max_new_tokens=64),
-    "medium": Profile("medium", p_fail=0.08, p_wrong=0.01, extra_steps=1, ms_per_step=800.0,
-                      tokens_in_per_step=300, tokens_out_per_step=60, usd_in_per_mtok=0.3,
+    "medium": Profile("medium", p_fail=0.08, p_wrong=0.01, extra_steps=1, ms_per_step=450.0,
+                      tokens_in_per_step=300, tokens_out_per_step=30, usd_in_per_mtok=0.3,
                       usd_out_per_mtok=1.2, max_steps=8, max_new_tokens=96),
-    "large": Profile("large", p_fail=0.03, p_wrong=0.0, extra_steps=0, ms_per_step=1600.0,
-                     tokens_in_per_step=400, tokens_out_per_step=80, usd_in_per_mtok=1.0,
+    "large": Profile("large", p_fail=0.03, p_wrong=0.0, extra_steps=0, ms_per_step=700.0,
+                     tokens_in_per_step=300, tokens_out_per_step=30, usd_in_per_mtok=1.0,
                      usd_out_per_mtok=4.0, max_steps=10, max_new_tokens=128),
 }
 PROFILE_NAMES = tuple(PROFILES)

@@ -1,0 +1,239 @@
+"""Policy turns -> padded tensors in micro-batches, and the trainer's logprobs of them.
+
+Each :class:`~aflow_rl.rollout.types.Turn` is one sequence ``prompt + response``.
+A rollout batch is split contiguously over the data-parallel ranks, then each
+rank's share into micro-batches. Every rank gets the same number of
+micro-batches, a multiple of the gradient accumulation steps, because every
+``backward``/``step`` is a collective: one rank doing one more than another
+would hang. A rank short of sequences gets a copy with an all-zero loss mask.
+
+:func:`sequence_logprobs` recomputes the server's logprobs: the log-softmax of
+the temperature-scaled logits after the grammar mask (DESIGN.md, Serving protocol).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from aflow_rl.rollout.types import Turn
+
+# Below this temperature SGLang (and aflow_rl.serving.engine) decodes greedily and
+# reports logprobs at temperature 1.
+GREEDY_EPS = 1e-6
+
+# A grammar mask per sequence: BoolTensor [T, V] (True = allowed), or xgrammar's
+# packed int32 bitmask [T, ceil(V/32)] (32x smaller; unpacked just before use).
+GrammarMask = torch.Tensor
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward worth of sequences, right-padded.
+
+    input_ids [B, L]: prompt then response, padded with ``pad_id``.
+    attention_mask [B, L]: 1 on real tokens.
+    position_ids [B, L]: 0..len-1 per row, as the server numbered them.
+    logit_positions [B, T]: index ``P_b + j - 1`` of the logit that predicts
+    response token ``j`` of row ``b`` (0 on padding).
+    response_ids [B, T], response_mask [B, T] (float 1/0), server_logprobs [B, T],
+    advantages [B, T] (each turn's advantage broadcast over its tokens).
+    grammar_masks: per row a :data:`GrammarMask` or None (unconstrained).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    logit_positions: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    server_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    grammar_masks: list[GrammarMask | None] = field(default_factory=list)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens (prompt + response) of the micro-batch: the forward's work."""
+        return int(self.attention_mask.sum())
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        moved = {k: getattr(self, k).to(device) for k in (
+            "input_ids", "attention_mask", "position_ids", "logit_positions",
+            "response_ids", "response_mask", "server_logprobs", "advantages")}
+        masks = [m.to(device) if m is not None else None for m in self.grammar_masks]
+        return replace(self, grammar_masks=masks, **moved)
+
+
+def collate(turns: Sequence[Turn], advantages: Sequence[float], *, pad_id: int = 0,
+            grammar_masks: Sequence[GrammarMask | None] | None = None,
+            loss_weights: Sequence[float] | None = None) -> MicroBatch:
+    """Pad ``turns`` into one :class:`MicroBatch`; ``loss_weights`` (0/1) scales each row's mask."""
+    if not turns:
+        raise ValueError("collate: no turns")
+    B = len(turns)
+    L = max(len(t.prompt_ids) + len(t.response_ids) for t in turns)
+    T = max(len(t.response_ids) for t in turns)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    position_ids = torch.zeros((B, L), dtype=torch.long)
+    logit_positions = torch.zeros((B, T), dtype=torch.long)
+    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((B, T), dtype=torch.float32)
+    server_logprobs = torch.zeros((B, T), dtype=torch.float32)
+    adv = torch.zeros((B, T), dtype=torch.float32)
+    for b, turn in enumerate(turns):
+        P, R = len(turn.prompt_ids), len(turn.response_ids)
+        if P == 0:
+            raise ValueError("collate: a turn without prompt tokens has no logit for its first response token")
+        n = P + R
+        input_ids[b, :P] = torch.as_tensor(turn.prompt_ids, dtype=torch.long)
+        input_ids[b, P:n] = torch.as_tensor(turn.response_ids, dtype=torch.long)
+        attention_mask[b, :n] = 1
+        position_ids[b, :n] = torch.arange(n)
+        logit_positions[b, :R] = torch.arange(P - 1, n - 1)
+        response_ids[b, :R] = torch.as_tensor(turn.response_ids, dtype=torch.long)
+        weight = 1.0 if loss_weights is None else float(loss_weights[b])
+        response_mask[b, :R] = weight
+        server_logprobs[b, :R] = torch.as_tensor(turn.logprobs, dtype=torch.float32)
+        adv[b, :R] = float(advantages[b])
+    masks = list(grammar_masks) if grammar_masks is not None else [None] * B
+    if len(masks) != B:
+        raise ValueError(f"collate: {len(masks)} grammar masks for {B} turns")
+    return MicroBatch(input_ids, attention_mask, position_ids, logit_positions, response_ids,
+                      response_mask, server_logprobs, adv, masks)
+
+
+def micro_batch_count(num_sequences: int, *, micro_batch_size: int, grad_accum: int, world_size: int = 1) -> int:
+    """Micro-batches per rank for one pass over ``num_sequences``: the same on every
+    rank, at least one, and a multiple of ``grad_accum`` so that each pass ends on
+    an optimizer step (no gradient leaks into the next rollout batch)."""
+    per_rank = math.ceil(num_sequences / world_size)
+    needed = max(1, math.ceil(per_rank / micro_batch_size))
+    return grad_accum * math.ceil(needed / grad_accum)
+
+
+def make_micro_batches(turns: Sequence[Turn], advantages: Sequence[float] | np.ndarray, *,
+                       micro_batch_size: int, grad_accum: int = 1, rank: int = 0, world_size: int = 1,
+                       pad_id: int = 0,
+                       grammar_masks: Sequence[GrammarMask | None] | None = None) -> list[MicroBatch]:
+    """This rank's micro-batches of a rollout batch (the same ``turns`` on every rank).
+
+    ``advantages`` has one value per turn. Turns without response tokens are
+    dropped. Rank ``r`` takes a contiguous slice, so micro-batch ``i`` of rank ``r``
+    with ``world_size`` ranks holds the same sequences as micro-batch
+    ``r * n + i`` of one rank with ``world_size`` times the accumulation: the
+    data-parallel and the accumulated update are the same.
+    """
+    advantages = np.asarray(advantages, dtype=np.float64).reshape(-1)
+    if len(advantages) != len(turns):
+        raise ValueError(f"make_micro_batches: {len(advantages)} advantages for {len(turns)} turns")
+    masks = list(grammar_masks) if grammar_masks is not None else [None] * len(turns)
+    keep = [i for i, t in enumerate(turns) if len(t.response_ids) > 0]
+    if not keep:
+        raise ValueError("make_micro_batches: no turn has response tokens")
+    turns = [turns[i] for i in keep]
+    advantages = advantages[keep]
+    masks = [masks[i] for i in keep]
+
+    n_micro = micro_batch_count(len(turns), micro_batch_size=micro_batch_size,
+                                grad_accum=grad_accum, world_size=world_size)
+    # Rank shares differ by at most one sequence; split each as evenly as possible.
+    shares = np.array_split(np.arange(len(turns)), world_size)
+    mine = shares[rank]
+    batches = []
+    for part in np.array_split(mine, n_micro):
+        idx = [int(i) for i in part]
+        weights = [1.0] * len(idx)
+        if not idx:
+            # Same collective calls on every rank: a stand-in sequence that adds no loss.
+            idx, weights = [int(mine[0]) if len(mine) else 0], [0.0]
+        batches.append(collate([turns[i] for i in idx], advantages[idx], pad_id=pad_id,
+                               grammar_masks=[masks[i] for i in idx], loss_weights=weights))
+    return batches
+
+
+def turn_grammar_masks(turns: Sequence[Turn], backend: Any) -> list[GrammarMask | None]:
+    """The packed xgrammar masks the server applied to each turn (None where it had no grammar).
+
+    ``backend`` is an :class:`aflow_rl.serving.grammar.GrammarBackend` for the policy's
+    tokenizer; a response that breaks its grammar raises ``ValueError``.
+    """
+    from aflow_rl.serving.grammar import grammar_bitmasks
+
+    return [grammar_bitmasks(t.grammar, t.response_ids, backend=backend) if t.grammar else None for t in turns]
+
+
+def _allowed(mask: GrammarMask, vocab_size: int) -> torch.Tensor:
+    """A :data:`GrammarMask` as BoolTensor [T, vocab_size]; ids beyond the mask's vocabulary are disallowed."""
+    if mask.dtype != torch.bool:
+        from aflow_rl.serving.grammar import unpack_bitmask
+
+        mask = unpack_bitmask(mask, min(vocab_size, mask.shape[-1] * 32))
+    if mask.shape[-1] > vocab_size:
+        raise ValueError(f"grammar mask covers {mask.shape[-1]} token ids, the model has {vocab_size}")
+    if mask.shape[-1] < vocab_size:
+        mask = torch.nn.functional.pad(mask, (0, vocab_size - mask.shape[-1]), value=False)
+    return mask
+
+
+def sequence_logprobs(model: Any, batch: MicroBatch, temperature: float,
+                      grammar_masks: Sequence[GrammarMask | None] | None = None, *,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs and entropies of the response tokens, as the server computed them.
+
+    ``model`` is a DeepSpeed engine or a Hugging Face causal LM. Only the logits
+    that predict response tokens are materialised (``logits_to_keep`` with the
+    [B, T] positions). Then ``log_softmax(masked_logits / temperature)`` in fp32;
+    below the server's greedy threshold the temperature is 1, as SGLang reports.
+    ``grammar_masks`` (default: ``batch.grammar_masks``) has one :data:`GrammarMask`
+    or None per row. Returns ``logp`` [B, T] and ``entropy`` [B, T] of the masked,
+    tempered distribution, both 0 on padding; entropy carries a gradient only with
+    ``entropy_grad`` (it costs a second [B, T, V] graph).
+    """
+    masks = batch.grammar_masks if grammar_masks is None else list(grammar_masks)
+    scale = 1.0 if temperature < GREEDY_EPS else float(temperature)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids, logits_to_keep=batch.logit_positions, use_cache=False)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    B, T = batch.response_ids.shape
+    if logits.shape[:2] != (B, T):
+        raise RuntimeError(f"model returned logits {tuple(logits.shape)} for positions {(B, T)}: "
+                           "the model must accept a [B, T] integer logits_to_keep (transformers >= 5)")
+    logits = logits.float() / scale                                            # [B, T, V]
+    V = logits.shape[-1]
+    if masks and any(m is not None for m in masks):
+        allowed = torch.ones((B, T, V), dtype=torch.bool, device=logits.device)
+        for b, m in enumerate(masks):
+            if m is not None:
+                m = _allowed(m.to(logits.device), V)
+                allowed[b, :m.shape[0]] = m
+        valid = batch.response_mask > 0
+        picked = allowed.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)   # [B, T]
+        if bool((valid & ~picked).any()):
+            b, t = (valid & ~picked).nonzero()[0].tolist()
+            raise ValueError(f"response token {int(batch.response_ids[b, t])} (row {b}, position {t}) "
+                             "is not allowed by its grammar mask")
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    logp_all = torch.log_softmax(logits, dim=-1)                               # [B, T, V]
+    logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)   # [B, T]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # where(), not masked products: 0 * -inf would put NaN into the backward pass.
+        finite = torch.isfinite(logp_all)
+        safe = torch.where(finite, logp_all, torch.zeros_like(logp_all))
+        entropy = -(safe.exp() * safe).sum(-1)                                 # [B, T]
+    pad = batch.response_mask <= 0
+    # Multiply, don't index: stand-in rows (mask 0) keep their graph.
+    logp = logp * (~pad)
+    entropy = entropy * (~pad)
+    return logp, entropy
