@@ -253,7 +253,7 @@ class RolloutPool:
             slot.inflight[ep.episode_id] = ep
         slot.send(("run", [ep.payload() for ep in episodes]))
 
-    def _started(self, slot: Slot, eids: list[str]) -> None:
+    def _mark_started(self, slot: Slot, eids: list[str]) -> None:
         """The hard deadline runs from the reported start (an episode may wait its turn in the worker)."""
         # The caller's own thread (sequential) cannot be interrupted, so it gets no hard deadline.
         deadline = float("inf") if slot.kind == "inline" else (
@@ -283,9 +283,9 @@ class RolloutPool:
         if kind == "hello":
             self._hello(slot, msg[1], msg[2])
         elif kind == "started":
-            self._started(slot, msg[1])
+            self._mark_started(slot, msg[1])
         elif kind == "done":
-            self._started(slot, msg[3])
+            self._mark_started(slot, msg[3])
             self._done(slot, msg[1], msg[2])
         elif kind == "lost":
             self._lost(slot, msg[1])

@@ -72,3 +72,28 @@ def test_unpack_bitmask_bit_order():
     bitmask[0, 0] = -2 ** 31          # bit 31 of word 0 -> token 31
     bitmask[0, 1] = 0b101             # bits 0 and 2 of word 1 -> tokens 32, 34
     assert unpack_bitmask(bitmask, 40)[0].nonzero().flatten().tolist() == [31, 32, 34]
+
+
+def _byte_token(tok, byte: int) -> int:
+    """Id of the single-byte token for ``byte`` in a GPT-2 style byte-level vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char = chr(byte) if byte in printable else chr(256 + [b for b in range(256) if b not in printable].index(byte))
+    return tok.convert_tokens_to_ids(char)
+
+
+def test_json_strings_refuse_control_characters_and_surrogates(backend, tok):
+    # A bounded string (maxLength) and a free one: neither may hold a raw control
+    # character or a UTF-8-encoded surrogate, both of which json.loads / UTF-8 reject.
+    for prop in ({"type": "string", "maxLength": 6}, {"type": "string"}):
+        schema = json.dumps({"type": "object", "properties": {"s": prop}, "required": ["s"]})
+        prefix = tok.encode('{"s": "a')
+        masks = grammar_masks({"json_schema": schema}, prefix + [_byte_token(tok, 0xC3)], backend=backend)
+        allowed = masks[len(prefix)]
+        assert allowed[_byte_token(tok, 0xC3)]            # a lead byte of 'é' is fine
+        assert not allowed[_byte_token(tok, 0x05)]        # raw control character
+        after_ed = grammar_masks({"json_schema": schema}, prefix + [_byte_token(tok, 0xED), _byte_token(tok, 0x9F)],
+                                 backend=backend)[-1]
+        assert after_ed[_byte_token(tok, 0x9F)]           # \xed\x9f.. is U+D7xx, valid
+        with pytest.raises(ValueError):                   # \xed\xa2.. would be a surrogate
+            grammar_masks({"json_schema": schema}, prefix + [_byte_token(tok, 0xED), _byte_token(tok, 0xA2)],
+                          backend=backend)

@@ -57,3 +57,17 @@ def test_plan_act_mode_dispatches(monkeypatch):
                                            "tokenizer": object(), "swarm_ready": True})
     out = asyncio.run(swarm_worker.run_episode({"task_id": "q"}, ctx))
     assert out.episode_id == "p" and seen["task"] == {"task_id": "q"}
+
+
+def test_llm_subagents_through_the_actor_client():
+    from tests.envs.swarm.fakes import ScriptedLLM
+
+    cfg = load_config(None, ["env.swarm.policy=heuristic", "env.swarm.subagents=llm"])
+    actor = ScriptedLLM(['{"answer": "Tolmar"}'])
+    ctx = WorkerContext(config=cfg, state={"actor_client": actor})
+    swarm_worker.init_worker(ctx)  # keeps the given client
+    task = swarm_worker.make_tasks(cfg, 1, seed=0)[0]
+    traj = asyncio.run(swarm_worker.run_episode(task, ctx))
+    assert ctx.state["actor_client"] is actor and actor.calls == len(task["items"])
+    assert traj.status == "ok" and traj.reward_components["r_finish"] == 1.0
+    assert traj.metrics["item_f1"] == 0.0       # the actor's answers are wrong, and scored as such
