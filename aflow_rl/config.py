@@ -123,7 +123,7 @@ class SwarmEnvConfig:
     subagents: Literal["simulated", "llm"] = _f("simulated", "Subagent pool: simulated profiles or the actor LLM.")
     max_steps: int = _f(24, "Orchestrator turns per episode (a single agent needs ~3 per wide item).")
     max_concurrent_subagents: int = _f(8, "Cap on subagents running at once.")
-    max_tool_calls: int = _f(16, "Tool-call budget per episode.")
+    max_tool_calls: int = _f(16, "Budget of the orchestrator's own tool calls per episode (subagents: profile limits).")
     max_tokens: int = _f(20000, "Token budget (orchestrator + subagents) per episode.")
     max_wall_s: float = _f(120.0, "Wall-clock budget per episode.")
     subtask_retries: int = _f(1, "Automatic retries of a failed subtask.")
@@ -131,6 +131,8 @@ class SwarmEnvConfig:
     policy: Literal["model", "single", "heuristic", "bandit"] = _f(
         "model", "Orchestrator: model (policy server) | single | heuristic | bandit (baselines, no server).")
     action_schema: bool = _f(True, "Constrain model turns with the action JSON schema (false: free text).")
+    task_schema: bool = _f(False, "Narrow the action schema each turn to the task's item ids, existing subagents and the cap.")
+    auto_answer: bool = _f(False, "Score the subagents' collected results as the answer (finish's own entries fill gaps).")
     kb_seed: int = _f(0, "Seed of the local knowledge base that tasks are asked about.")
     bandit_latency_coef: float = _f(0.02, "bandit baseline: its reward is item_f1 - coef * critical_steps.")
     bandit_ucb_c: float = _f(0.1, "bandit baseline: UCB1 exploration coefficient.")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=1, help="sequential requests per episode")
     ap.add_argument("--workers", type=int, default=2, help="worker processes")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256], help="episodes in flight")
-    ap.add_argument("--waves", type=int, default=8, help="episodes per run = waves x concurrency")
+    ap.add_argument("--waves", type=int, default=20, help="episodes per run = waves x concurrency")
     ap.add_argument("--client", choices=["raw", "httpx"], default="raw", help="HTTP client inside episodes")
     ap.add_argument("--server", choices=["raw", "uvicorn"], default="raw", help="the fixed-latency endpoint")
     ap.add_argument("--no-direct", action="store_true", help="skip the no-pool asyncio baseline")
@@ -307,11 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"endpoint: {args.server} server on 127.0.0.1, {args.latency:g} s per request, {args.requests} request(s) "
           f"per episode, {args.client} client; pool: loky, {args.workers} worker processes")
     url, server = start_endpoint(args.latency, args.server)
-    try:
-        import ray  # noqa: F401
-        have_ray = True
-    except ImportError:
-        have_ray = False
+    have_ray = importlib.util.find_spec("ray") is not None
     rows = []
     try:
         for conc in args.concurrency:

@@ -9,8 +9,11 @@ Backends (``rollout.backend``): ``loky`` spawns ``workers`` processes (one
 loky executor each), ``dask`` runs ``workers`` long-lived tasks on the
 cluster at ``dask_address``, ``threading`` runs ``workers`` threads here, and
 ``sequential`` runs one episode at a time in the caller's thread. Each
-process or thread keeps an asyncio loop and up to ``concurrency_per_worker``
-episodes in flight; the pool tops it up as episodes finish.
+process or thread keeps an asyncio loop and runs up to
+``concurrency_per_worker`` episodes at once; as many again wait there in
+line, so a finished episode is replaced without a round trip to the pool.
+New episodes go to the least loaded worker, and a worker with free places
+takes back episodes still waiting at another (work stealing).
 
 Failure handling, per episode (an *attempt* is charged, then the episode is
 retried while ``attempt < max_attempts``, else returned failed with its errors):
@@ -19,19 +22,25 @@ retried while ``attempt < max_attempts``, else returned failed with its errors):
   ``episode_timeout_s`` (the worker enforces it; a sync episode's thread is
   abandoned and its process replaced once its other episodes finish):
   charged to that episode.
-- the worker sent nothing for ``episode_timeout_s + timeout_grace_s`` (a
-  blocked event loop): the process is killed and replaced; the overdue
-  episode is charged with ``timeout``; the others on it are re-run uncharged.
+- an episode still has no result ``episode_timeout_s + timeout_grace_s``
+  after it started (the worker's own timeout could not fire: a blocked event
+  loop): the process is killed and replaced, the overdue episode is charged
+  with ``timeout`` and the others on it re-run uncharged (several overdue at
+  once: each re-runs alone, as below).
 - the process died (SIGKILL, segfault, OOM): if it ran one episode, that one
   is charged. If it ran several, nobody can tell which one killed it, so
   each is re-run *alone* on a process, uncharged; a crash while alone is
   charged. Collateral episodes thus never lose an attempt, and a crasher is
-  still caught after at most one extra run per suspect.
+  still caught after at most one extra run per suspect. Episodes waiting in
+  the dead worker's line had not started: they go back to the front, uncharged.
+
+Threads cannot be killed: on ``threading`` and ``dask`` a stuck sync episode's
+thread is abandoned (the episode is still timed out and retried), and
+``sequential`` cannot interrupt a sync episode at all.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import os
 import queue
@@ -66,6 +75,7 @@ class _Episode:
     isolate: bool = False          # suspected of crashing a process: runs alone
     errors: list[str] = field(default_factory=list)
     started: bool = False          # the worker reported it running (not just waiting there)
+    stealing: bool = False         # asked back from its worker's queue for an idle one
     deadline: float = float("inf")  # hard deadline of the attempt running
 
     def payload(self) -> dict:
@@ -118,7 +128,7 @@ class RolloutPool:
         self._run_id = 0
         self._pending: collections.deque[_Episode] = collections.deque()
         self._quarantine: collections.deque[_Episode] = collections.deque()
-        self._finished: list[Trajectory] = []
+        self._finished: collections.deque[Trajectory] = collections.deque()
         self._started = self._closed = False
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -194,9 +204,11 @@ class RolloutPool:
                 self._dispatch()
                 self._step()
                 while self._finished:
-                    traj = self._finished.pop(0)
                     left -= 1
-                    yield traj
+                    yield self._finished.popleft()
+        except (WorkerStartError, PoolError):
+            self.close()  # a replacement worker cannot start: nothing more can run here
+            raise
         finally:
             self._abandon()
 
@@ -239,17 +251,61 @@ class RolloutPool:
         else:
             for slot in ready:
                 slot.reserved = False
-        for slot in ready:
-            if slot.reserved or any(ep.isolate for ep in slot.inflight.values()):
-                continue
-            room = slot.concurrency + slot.prefetch - len(slot.inflight)
-            batch = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
-            if batch:
-                self._send(slot, batch)
+        open_slots = [s for s in ready if not s.reserved and not _isolating(s)]
+        if not open_slots:
+            return
+        if not self._pending:
+            self._steal(open_slots)
+            return
+        # Water-filling: each episode to the least loaded slot, so a small batch spreads over all workers.
+        load = {s.index: len(s.inflight) for s in open_slots}
+        batches: dict[int, list[_Episode]] = {s.index: [] for s in open_slots}
+        while self._pending:
+            slot = min(open_slots, key=lambda s: load[s.index])
+            if load[slot.index] >= slot.concurrency + slot.prefetch:
+                break  # every slot is full (all slots of a pool have the same capacity)
+            batches[slot.index].append(self._pending.popleft())
+            load[slot.index] += 1
+        for slot in open_slots:
+            if batches[slot.index]:
+                self._send(slot, batches[slot.index])
+
+    def _steal(self, open_slots: list[Slot]) -> None:
+        """Nothing left to send, but a slot has free places: take back episodes still waiting in others.
+
+        Only unstarted episodes are asked for, and the worker answers with the
+        ones it actually removed, so an episode never runs twice.
+        """
+        free = sum(max(0, s.concurrency - len(s.inflight)) for s in open_slots)
+        free -= sum(ep.stealing for s in self.slots for ep in s.inflight.values())
+        for victim in sorted(self.slots, key=lambda s: -len(s.inflight)):
+            if free <= 0:
+                return
+            if victim.state != READY or len(victim.inflight) <= victim.concurrency:
+                continue  # nothing waits there
+            waiting = [ep for ep in victim.inflight.values() if not ep.started and not ep.stealing]
+            take = waiting[max(0, len(waiting) - free):]  # the last in its line: furthest from starting
+            if take:
+                for ep in take:
+                    ep.stealing = True
+                free -= len(take)
+                victim.send(("unqueue", [ep.episode_id for ep in take]))
+
+    def _unqueued(self, slot: Slot, removed: list[str], asked: list[str]) -> None:
+        """The worker gave back ``removed`` (not started); the rest of ``asked`` had started meanwhile."""
+        for eid in asked:
+            ep = slot.inflight.get(eid)
+            if ep is not None:
+                ep.stealing = False
+        for eid in reversed(removed):
+            ep = slot.inflight.pop(eid, None)
+            if ep is not None and ep.run_id == self._run_id:
+                self._pending.appendleft(ep)
+        self._recycle_if_drained(slot)
 
     def _send(self, slot: Slot, episodes: list[_Episode]) -> None:
         for ep in episodes:
-            ep.started, ep.deadline = False, float("inf")
+            ep.started, ep.stealing, ep.deadline = False, False, float("inf")
             slot.inflight[ep.episode_id] = ep
         slot.send(("run", [ep.payload() for ep in episodes]))
 
@@ -284,6 +340,8 @@ class RolloutPool:
             self._hello(slot, msg[1], msg[2])
         elif kind == "started":
             self._mark_started(slot, msg[1])
+        elif kind == "unqueued":
+            self._unqueued(slot, msg[1], msg[2])
         elif kind == "done":
             self._mark_started(slot, msg[3])
             self._done(slot, msg[1], msg[2])
@@ -441,6 +499,11 @@ class RolloutPool:
             self.stats["pool/worker_restarts"] += 1
         slot.start()
         slot.start_deadline = time.monotonic() + self.cfg.start_timeout_s
+
+
+def _isolating(slot: Slot) -> bool:
+    """Running a suspect, which always runs alone."""
+    return len(slot.inflight) == 1 and next(iter(slot.inflight.values())).isolate
 
 
 def _oldest(slot: Slot) -> _Episode:

@@ -225,11 +225,13 @@ async def serve(link: Link, runner: EpisodeRunner, concurrency: int, timeout_s: 
     """Run the episodes the pool sends until it says stop or goes away.
 
     Messages in: ``("run", [task, ...])``, ``("cancel", [episode_id, ...])``,
-    ``("stop",)``. Up to ``concurrency`` episodes run at once; the pool may
-    send a few more, which wait here in order so that a finished episode's
-    place is refilled without a round trip to the pool. Out:
-    ``("started", [episode_id, ...])`` and ``("done", episode_id, result,
-    started)`` where ``started`` lists the waiting episodes its place went to.
+    ``("unqueue", [episode_id, ...])``, ``("stop",)``. Up to ``concurrency``
+    episodes run at once; the pool may send more, which wait here in order
+    so that a finished episode's place is refilled without a round trip to
+    the pool (and which it may take back with ``unqueue`` while they wait).
+    Out: ``("started", [episode_id, ...])``, ``("unqueued", removed, asked)``
+    and ``("done", episode_id, result, started)`` where ``started`` lists the
+    waiting episodes its place went to.
     A start is always reported before the episode's code runs, so after a
     crash the pool knows exactly which episodes were running.
     """
@@ -275,6 +277,11 @@ async def serve(link: Link, runner: EpisodeRunner, concurrency: int, timeout_s: 
             break
         if msg[0] == "run":
             waiting.extend(msg[1])
+        elif msg[0] == "unqueue":
+            asked = set(msg[1])
+            removed = [t["episode_id"] for t in waiting if t["episode_id"] in asked]
+            waiting = collections.deque(t for t in waiting if t["episode_id"] not in asked)
+            link.send(("unqueued", removed, msg[1]))
         elif msg[0] == "cancel":
             dropped = set(msg[1])
             waiting = collections.deque(t for t in waiting if t["episode_id"] not in dropped)

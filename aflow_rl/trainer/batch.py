@@ -114,6 +114,24 @@ def collate(turns: Sequence[Turn], advantages: Sequence[float], *, pad_id: int =
                       response_mask, server_logprobs, adv, masks)
 
 
+def flatten_turns(trajectories: Sequence[Any], advantages: Sequence[float] | np.ndarray
+                  ) -> tuple[list[Turn], np.ndarray]:
+    """All policy turns of ``trajectories`` in order, with one advantage per turn.
+
+    ``advantages`` holds one value per trajectory (GRPO: repeated over its turns)
+    or one per turn in the same order (GiGPO's step rows); the two readings agree
+    when every trajectory has a single turn.
+    """
+    advantages = np.asarray(advantages, dtype=np.float64).reshape(-1)
+    turns = [turn for traj in trajectories for turn in traj.turns]
+    if len(advantages) == len(turns):
+        return turns, advantages
+    if len(advantages) == len(trajectories):
+        return turns, np.repeat(advantages, [len(traj.turns) for traj in trajectories])
+    raise ValueError(f"flatten_turns: {len(advantages)} advantages for {len(trajectories)} trajectories "
+                     f"with {len(turns)} turns; give one per trajectory or one per turn")
+
+
 def micro_batch_count(num_sequences: int, *, micro_batch_size: int, grad_accum: int, world_size: int = 1) -> int:
     """Micro-batches per rank for one pass over ``num_sequences``: the same on every
     rank, at least one, and a multiple of ``grad_accum`` so that each pass ends on

@@ -100,6 +100,17 @@ def teardown_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
+def share_from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (pickled broadcast; identity with one rank).
+    train.py shares each rollout batch this way: only rank 0 runs the pool."""
+    rank, world = _rank_world()
+    if world == 1:
+        return obj
+    box = [obj if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _rank_world() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -238,13 +249,14 @@ def build_engine(model: str | torch.nn.Module, tcfg: Any, *, ds_config: dict | N
     elif tcfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
-    scheduler = None
-    if "scheduler" not in ds_config:
-        def scheduler(optimizer):
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(
-                s, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.max_steps, min_lr_ratio=tcfg.min_lr_ratio))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
-                                           config=ds_config, lr_scheduler=scheduler)
+
+    def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(
+            s, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.max_steps, min_lr_ratio=tcfg.min_lr_ratio))
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, weight_decay), config=ds_config,
+        lr_scheduler=None if "scheduler" in ds_config else schedule)
     engine.hf_ds_config = hf_ds
     engine.train()
     return engine

@@ -15,7 +15,7 @@ def one_token(ratio: float, adv: float, **kw):
     old = torch.zeros((1, 1), dtype=torch.float64)
     loss, stats = ppo_loss(logp, old, torch.tensor([adv], dtype=torch.float64), torch.ones((1, 1)), **CLIP, **kw)
     loss.backward()
-    return float(loss), stats, float(logp.grad)
+    return loss.item(), stats, logp.grad.item()
 
 
 @pytest.mark.parametrize("ratio,adv,expected,clipped", [

@@ -226,6 +226,23 @@ def test_one_worker_runs_its_episodes_concurrently():
     assert elapsed < 0.5 * n / 2, f"{n} episodes of 0.5 s took {elapsed:.2f} s in one worker"
 
 
+def test_a_small_batch_is_spread_over_all_workers():
+    tasks = [{"mode": "sleep", "sleep": 0.2} for _ in range(8)]
+    out, _ = run_all(config(workers=2, concurrency_per_worker=8, episode_timeout_s=10.0), tasks)
+    pids = [t.info["pid"] for t in out]
+    assert sorted(pids.count(p) for p in set(pids)) == [4, 4]
+
+
+def test_idle_worker_takes_back_an_episode_queued_behind_a_slow_one():
+    # One place per worker plus one waiting: e2 waits behind the slow e0 until worker 1 asks for it.
+    tasks = [{"mode": "sleep", "sleep": s, "episode_id": f"e{i}"} for i, s in enumerate((2.5, 0.1, 0.1, 0.1))]
+    with RolloutPool(config(workers=2, concurrency_per_worker=1, episode_timeout_s=10.0)) as pool:
+        t0 = time.monotonic()
+        arrivals = {t.episode_id: (time.monotonic() - t0, t.info["pid"]) for t in pool.run(tasks)}
+    assert arrivals["e2"][0] < 1.5 < arrivals["e0"][0], arrivals
+    assert arrivals["e2"][1] != arrivals["e0"][1]
+
+
 def test_stopping_a_run_early_leaves_the_pool_clean():
     with RolloutPool(config(backend="threading", workers=1, episode_timeout_s=10.0)) as pool:
         first = pool.run([{"mode": "sleep", "sleep": s, "episode_id": f"a{i}"}

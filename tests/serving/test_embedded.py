@@ -169,7 +169,7 @@ def test_openai_sdk_chat_with_logprobs(server, http, tiny_model_dir, model_a, to
 
     # response_format json_schema through the SDK: the content parses and validates.
     resp = client.chat.completions.create(
-        model=tiny_model_dir, messages=[{"role": "user", "content": "Act."}], max_tokens=80, temperature=1.0,
+        model=tiny_model_dir, messages=[{"role": "user", "content": "Act."}], max_tokens=96, temperature=1.0,
         response_format={"type": "json_schema", "json_schema": {"name": "action", "schema": SCHEMA}})
     jsonschema.validate(json.loads(resp.choices[0].message.content), SCHEMA)
     assert resp.choices[0].finish_reason == "stop"
@@ -192,7 +192,7 @@ def test_openai_sdk_completions(server, tiny_model_dir):
 @pytest.mark.parametrize("constrained", [False, True], ids=["free", "json_schema"])
 def test_concurrent_generate_logprobs_match_transformers(http, tok, model_a, backend, temperature, constrained):
     prompts = [tok.encode(f"Task {i}: " + "spawn subagents and join them " * (1 + i % 3)) for i in range(6)]
-    params = {"max_new_tokens": 40, "temperature": temperature}
+    params = {"max_new_tokens": 96, "temperature": temperature}
     if constrained:
         params["json_schema"] = json.dumps(SCHEMA)
 
@@ -395,6 +395,7 @@ def test_update_weights_from_disk(http, tok, model_a, tiny_model_dir, tiny_model
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     config.num_hidden_layers = 3
+    config.layer_types = ["full_attention"] * 3
     other = str(tmp_path / "three-layers")
     Qwen2ForCausalLM(config).save_pretrained(other)
     for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from aflow_rl.rollout.types import Turn
-from aflow_rl.trainer.batch import (collate, make_micro_batches, micro_batch_count, sequence_logprobs,
-                                    turn_grammar_masks)
+from aflow_rl.rollout.types import Trajectory, Turn
+from aflow_rl.trainer.batch import (collate, flatten_turns, make_micro_batches, micro_batch_count,
+                                    sequence_logprobs, turn_grammar_masks)
 
 
 def make_turns(n, seed=0, vocab=1000):
@@ -55,6 +55,17 @@ def test_collate_layout():
     assert mb.advantages.tolist() == [[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0]]
     assert mb.server_logprobs[1].tolist() == pytest.approx([-1, -2, -3])
     assert mb.num_tokens == 9 and mb.num_response_tokens == 5
+
+
+def test_flatten_turns_per_trajectory_or_per_turn():
+    trajs = [Trajectory("e0", "g", turns=make_turns(2, seed=0)), Trajectory("e1", "g", turns=make_turns(1, seed=1))]
+    turns, adv = flatten_turns(trajs, [0.5, -1.0])                     # GRPO: one per trajectory
+    assert len(turns) == 3 and adv.tolist() == [0.5, 0.5, -1.0]
+    assert turns[2] is trajs[1].turns[0]
+    _, adv = flatten_turns(trajs, [1.0, 2.0, 3.0])                     # GiGPO: one per turn
+    assert adv.tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="one per trajectory or one per turn"):
+        flatten_turns(trajs, [1.0])
 
 
 def test_micro_batches_same_count_on_every_rank_and_contiguous_shards():

@@ -1,5 +1,5 @@
 """torchrun --nproc_per_node=2 on CPU (gloo) computes the same loss and update as one
-rank with twice the gradient accumulation."""
+rank with twice the gradient accumulation; a 2-rank checkpoint is complete."""
 import os
 import subprocess
 import sys
@@ -16,7 +16,10 @@ sys.path.insert(0, HERE)
 def test_two_ranks_match_one_rank_with_double_accumulation(dist_info, tiny_model_dir, tmp_path):
     from dist_equivalence import fixed_batch
 
+    from transformers import AutoModelForCausalLM
+
     from aflow_rl.config import AlgoConfig, TrainerConfig
+    from aflow_rl.trainer.checkpoint import latest_checkpoint
     from aflow_rl.trainer.engine import build_engine, train_step
 
     out = str(tmp_path / "two_ranks.pt")
@@ -29,6 +32,12 @@ def test_two_ranks_match_one_rank_with_double_accumulation(dist_info, tiny_model
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = torch.load(out)
     assert two["world_size"] == 2
+    ckpt = latest_checkpoint(str(tmp_path / "run"))
+    assert ckpt and ckpt.endswith("step_1")
+    assert sorted(os.listdir(os.path.join(ckpt, "rng"))) == ["rank_0.json", "rank_1.json"]
+    exported = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "hf"), dtype=torch.float32)
+    for name, p in exported.named_parameters():
+        assert torch.equal(p.detach(), two["params"][name]), name
 
     # The same batch on this process's single rank: 8 turns, micro-batch 2, accumulation 4.
     torch.manual_seed(0)
@@ -38,5 +47,7 @@ def test_two_ranks_match_one_rank_with_double_accumulation(dist_info, tiny_model
     for tag in ("losses/total", "losses/policy", "losses/entropy", "losses/grad_norm", "perf/logprob_mismatch"):
         assert two["stats"][tag] == pytest.approx(one[tag], rel=1e-5), tag
     assert two["stats"]["charts/optimizer_steps"] == one["charts/optimizer_steps"] == 1.0
+    # Adam's first update is lr * g / (|g| + eps): it turns the float-summation-order
+    # differences of tiny gradients into visible ones, so the bound is 1% of the lr.
     for name, p in engine.module.named_parameters():
-        assert torch.allclose(two["params"][name], p.detach(), atol=1e-6, rtol=0), name
+        assert torch.allclose(two["params"][name], p.detach(), atol=1e-5, rtol=0), name

@@ -79,8 +79,10 @@ def test_train_step_updates_weights_and_follows_schedule(dist_info, tiny_model_d
     assert stats["charts/optimizer_steps"] == 2.0 and stats["losses/ratio"] != 1.0
 
 
-def test_kl_to_reference(dist_info, tiny_model_dir):
-    tc = TrainerConfig(lr=1e-2, micro_batch_size=4, grad_accum=1, max_steps=10)
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_kl_to_reference(dist_info, tiny_model_dir, zero_stage):
+    """Under ZeRO-3 the reference is partitioned too (an optimizer-less DeepSpeed engine)."""
+    tc = TrainerConfig(lr=1e-2, micro_batch_size=4, grad_accum=1, max_steps=10, zero_stage=zero_stage)
     engine = build_engine(tiny_model_dir, tc)
     ref = load_reference(tiny_model_dir, engine)
     assert not any(p.requires_grad for p in ref.parameters())

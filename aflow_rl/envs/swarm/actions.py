@@ -52,6 +52,35 @@ ACTION_SCHEMA: dict = {"anyOf": [
              ["answer"]),
 ]}
 
+def action_schema_for(view: dict) -> dict:
+    """ACTION_SCHEMA narrowed to the current state: item ids are the task's, subagent
+    ids the ones that exist, ``n`` at most the concurrency cap.
+
+    The grammar then only admits actions that name real things, so a small or
+    untrained policy explores decompositions instead of inventing ids; the same
+    schema string travels in the Turn, so the trainer rebuilds the same masks.
+    """
+    items = [it["id"] for it in view["items"]]
+    agents = len(view.get("subagents", []))
+    item = {"type": "string", "enum": items}
+    agent_id = {"type": "integer", "minimum": 0, "maximum": max(agents - 1, 0)}
+    variants = [
+        _variant("spawn", {"n": {"type": "integer", "minimum": 1, "maximum": max(1, int(view["max_concurrent"]))},
+                           "profile": {"type": "string", "enum": list(PROFILE_NAMES)},
+                           "subtasks": {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}},
+                 ["n", "profile", "subtasks"]),
+        _variant("join", {"ids": {"type": "array", "items": agent_id, "maxItems": agents}}, ["ids"]),
+        _variant("replan", {"scope": {"type": "string", "enum": list(REPLAN_SCOPES)}}, ["scope"]),
+        _variant("finish", {"answer": {"type": "object", "properties": {i: {"type": "string"} for i in items},
+                                       "additionalProperties": False}}, ["answer"]),
+    ]
+    if agents:  # assign needs an existing subagent
+        variants.insert(1, _variant("assign", {"subagent": agent_id, "subtask": item}, ["subagent", "subtask"]))
+    variants.insert(3, _variant("tool_call", {"tool": {"type": "string", "enum": list(TOOLS)}, "args": _TOOL_ARGS},
+                                ["tool", "args"]))
+    return {"anyOf": variants}
+
+
 _FIELDS = {"spawn": {"n", "profile", "subtasks"}, "assign": {"subagent", "subtask"}, "join": {"ids"},
            "tool_call": {"tool", "args"}, "replan": {"scope"}, "finish": {"answer"}}
 

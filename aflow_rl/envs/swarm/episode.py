@@ -99,6 +99,11 @@ async def run_swarm_episode(task: dict, cfg: Any, policy: Policy, *, executor: S
     rt.close()
 
     answer = rt.answer
+    if sw.auto_answer:
+        # The orchestrator aggregates: what its subagents found is the answer, whatever
+        # ended the episode; entries it wrote itself fill the items nobody solved.
+        given = answer if isinstance(answer, dict) else {}
+        answer = {**given, **rt.results()}
     components = reward_components(task, answer, rt, invalid_actions=len(errors), format_penalty=sw.format_penalty)
     metrics = episode_metrics(task, answer, rt)
     metrics["invalid_actions"] = float(len(errors))

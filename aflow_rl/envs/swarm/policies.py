@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, Action
+from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, Action, action_schema_for
 from aflow_rl.envs.swarm.observation import SYSTEM_PROMPT, Observation
 from aflow_rl.envs.swarm.profiles import ORCHESTRATOR_MS_PER_TOKEN_IN, ORCHESTRATOR_MS_PER_TOKEN_OUT, approx_tokens
 from aflow_rl.llm.base import LLMClient
@@ -60,10 +60,10 @@ class ModelPolicy:
     name = "model"
 
     def __init__(self, client: LLMClient, tokenizer: Any, *, temperature: float = 1.0, max_new_tokens: int = 96,
-                 constrained: bool = True):
+                 constrained: bool = True, task_schema: bool = False):
         self.client, self.tokenizer = client, tokenizer
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self.schema = ACTION_SCHEMA if constrained else None
+        self.constrained, self.task_schema = constrained, task_schema
 
     def begin_episode(self, task: dict) -> None:
         pass
@@ -72,11 +72,17 @@ class ModelPolicy:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": obs.text}]
         t0 = time.perf_counter()
         comp, turn = await generate_turn(self.client, self.tokenizer, messages, temperature=self.temperature,
-                                         max_new_tokens=self.max_new_tokens, json_schema=self.schema,
+                                         max_new_tokens=self.max_new_tokens, json_schema=self.schema(obs),
                                          anchor_key=obs.anchor_key)
         latency_ms = 1000.0 * (comp.latency_s or (time.perf_counter() - t0))
         return Decision(text=comp.text, turn=turn, tokens_in=len(turn.prompt_ids),
                         tokens_out=len(turn.response_ids), latency_ms=latency_ms)
+
+    def schema(self, obs: Observation) -> dict | None:
+        """The grammar of this turn: none, the generic action schema, or the one narrowed to this state."""
+        if not self.constrained:
+            return None
+        return action_schema_for(obs.view) if self.task_schema else ACTION_SCHEMA
 
     def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
         pass
@@ -90,7 +96,8 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
             raise ValueError("env.swarm.policy=model needs the policy client and tokenizer "
                              "(workers.swarm_worker.init_worker builds them from llm.policy and serving.policy)")
         return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
-                           max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema)
+                           max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
+                           task_schema=cfg.env.swarm.task_schema)
     # baselines import this module for Decision; importing them here, at call time, avoids the cycle.
     from aflow_rl.envs.swarm.baselines import make_baseline
 

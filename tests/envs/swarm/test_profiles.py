@@ -14,7 +14,7 @@ TASK = generate_task("wide", 0, min_items=3, max_items=3)
 ITEM = TASK["items"][0]
 
 
-def attempts(profile, n=3000):
+def attempts(profile, n=1500):
     sim = SimulatedSubagents(build_kb(0))
     return [asyncio.run(sim.run(SubagentJob(ITEM, {}, PROFILES[profile], seed=s))) for s in range(n)]
 
@@ -25,7 +25,7 @@ def test_simulated_outcomes_match_the_profile(profile):
     res = attempts(profile)
     fail = sum(not r.ok for r in res) / len(res)
     wrong = sum(r.ok and r.answer != TASK["gold"][ITEM["id"]] for r in res) / len(res)
-    assert fail == pytest.approx(p.p_fail, abs=0.02) and wrong == pytest.approx(p.p_wrong, abs=0.015)
+    assert fail == pytest.approx(p.p_fail, abs=0.03) and wrong == pytest.approx(p.p_wrong, abs=0.02)
     k = tool_steps(ITEM)
     for r in res:
         if r.ok:

@@ -1,0 +1,66 @@
+"""The per-turn action schema (env.swarm.task_schema) and orchestrator aggregation (env.swarm.auto_answer)."""
+import asyncio
+import json
+
+import jsonschema
+import pytest
+
+from aflow_rl.config import load_config
+from aflow_rl.envs.swarm.actions import action_schema_for, parse_action
+from aflow_rl.envs.swarm.episode import run_swarm_episode
+from aflow_rl.envs.swarm.policies import ModelPolicy
+from aflow_rl.envs.swarm.tasks import make_tasks
+from tests.envs.swarm.fakes import FakeTokenizer, ScriptedLLM
+
+VIEW = {"items": [{"id": "w0"}, {"id": "w1"}], "subagents": [], "max_concurrent": 4}
+
+
+def test_schema_admits_only_real_ids():
+    schema = action_schema_for(VIEW)
+    ok = {"action": "spawn", "n": 2, "profile": "small", "subtasks": ["w0", "w1"]}
+    jsonschema.validate(ok, schema)
+    for bad in ({"action": "spawn", "n": 2, "profile": "small", "subtasks": ["w7"]},      # unknown item
+                {"action": "spawn", "n": 5, "profile": "small", "subtasks": ["w0"]},      # over the cap
+                {"action": "assign", "subagent": 0, "subtask": "w0"},                     # no subagent yet
+                {"action": "join", "ids": [0]},                                           # no subagent yet
+                {"action": "finish", "answer": {"w9": "x"}}):                             # unknown item
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    two = action_schema_for({**VIEW, "subagents": [{}, {}]})
+    jsonschema.validate({"action": "assign", "subagent": 1, "subtask": "w1"}, two)
+    jsonschema.validate({"action": "join", "ids": [0, 1]}, two)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"action": "join", "ids": [2]}, two)
+    # Everything the narrowed schema admits, the parser accepts.
+    assert parse_action(json.dumps(ok)).ok
+
+
+def test_model_policy_sends_the_narrowed_schema():
+    cfg = load_config(None, ["env.swarm.task_schema=true", "env.swarm.max_steps=1"])
+    task = make_tasks(cfg, 1, seed=0)[0]
+    llm = ScriptedLLM(['{"action": "replan", "scope": "all"}'])
+    traj = asyncio.run(run_swarm_episode(task, cfg, ModelPolicy(llm, FakeTokenizer(), task_schema=True)))
+    sent = json.loads(llm.sampling[0]["json_schema"])
+    spawn = next(v for v in sent["anyOf"] if v["properties"]["action"]["enum"] == ["spawn"])
+    assert spawn["properties"]["subtasks"]["items"]["enum"] == [it["id"] for it in task["items"]]
+    # The Turn carries the exact grammar the server applied, for the trainer's masks.
+    assert json.loads(traj.turns[0].grammar["json_schema"]) == sent
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_auto_answer_scores_collected_results(auto):
+    cfg = load_config(None, [f"env.swarm.auto_answer={str(auto).lower()}", "env.swarm.max_steps=3",
+                             "env.swarm.min_items=3", "env.swarm.max_items=3", "env.swarm.suite=wide"])
+    task = make_tasks(cfg, 1, seed=3)[0]
+    ids = [it["id"] for it in task["items"]]
+    script = [json.dumps({"action": "spawn", "n": 3, "profile": "large", "subtasks": ids}),
+              json.dumps({"action": "join", "ids": []}),
+              json.dumps({"action": "finish", "answer": {}})]
+    traj = asyncio.run(run_swarm_episode(task, cfg, ModelPolicy(ScriptedLLM(script), FakeTokenizer(),
+                                                                constrained=False)))
+    assert traj.info["termination"] == "finish"
+    if auto:  # the large profile is reliable: every item's result is collected and scored
+        assert traj.reward_components["r_perf"] == pytest.approx(1.0)
+        assert traj.info["answer"] == task["gold"]
+    else:     # an empty finish answers nothing
+        assert traj.reward_components["r_perf"] == 0.0
