@@ -13,7 +13,7 @@ setup(
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.15",
-        "transformers>=4.45",
+        "transformers>=5.0",
         "tokenizers>=0.20",
         "safetensors>=0.4",
         "numpy>=1.24",
@@ -31,7 +31,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "openai>=1.40", "dask[distributed]>=2024.1"],
-        "gpu": ["sglang[all]>=0.4", "sglang-router"],
+        "gpu": ["sglang[all]>=0.4", "sglang-router", "accelerate>=1.0"],
         "dask": ["dask[distributed]>=2024.1"],
     },
 )

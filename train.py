@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     from aflow_rl.serving.weight_sync import sync_weights
     from aflow_rl.trainer.batch import turn_grammar_masks
     from aflow_rl.trainer.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
-    from aflow_rl.trainer.engine import build_engine, load_reference, setup_distributed, teardown_distributed, train_step
+    from aflow_rl.trainer.engine import (build_engine, load_reference, setup_distributed, share_from_rank0,
+                                         teardown_distributed, train_step)
     from aflow_rl.trainer.logger import TBLogger
     from aflow_rl.trainer.weights import export_hf
 
@@ -135,10 +137,14 @@ def main(argv: list[str] | None = None) -> None:
                 roll_stats = _rollout_stats(trajs, shaped, keep, pool.stats, parl_lambdas(step, cfg.algo.parl))
                 roll_stats["timing/rollout_s"] = t_rollout
 
-            # 4. Every rank trains on rank 0's batch.
-            turns, flat_adv, masks = _broadcast(batch, dist)
+            # 4. Every rank trains on rank 0's batch; the whole batch is one optimizer step
+            #    per PPO epoch (the accumulation follows the batch), so the x-axis of every
+            #    curve and the LR schedule count the same steps.
+            turns, flat_adv, masks = share_from_rank0(batch)
             t_train = time.perf_counter()
             if turns:
+                per_step = engine.train_micro_batch_size_per_gpu() * dist.world_size
+                engine.set_train_batch_size(per_step * math.ceil(len(turns) / per_step))
                 train_stats = train_step(engine, turns, flat_adv, algo=cfg.algo, ppo_epochs=cfg.trainer.ppo_epochs,
                                          temperature=cfg.env.temperature, ref_model=ref_model,
                                          grammar_masks=masks, pad_id=tokenizer.pad_token_id or 0)
@@ -160,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                 if step % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps:
                     logger.scalars(stats, step + 1)
                     if len(flat_adv):
-                        logger.histogram("advantages", flat_adv, step + 1)
+                        logger.histogram("rewards/advantages", flat_adv, step + 1)
                 if step % cfg.trainer.sample_every == 0:
                     logger.text("samples/episode", _sample_text(trajs, tokenizer), step + 1)
                 bar.set_postfix(reward=f"{stats.get('rewards/mean', float('nan')):.3f}",
@@ -186,17 +192,6 @@ def main(argv: list[str] | None = None) -> None:
 # ---------------------------------------------------------------------------------------------
 # Small pieces of the loop, kept out of main() so that main() reads as the iteration.
 # ---------------------------------------------------------------------------------------------
-
-
-def _broadcast(batch, dist):
-    """Rank 0's (turns, advantages, masks) to every rank; a no-op with one rank."""
-    if dist.world_size == 1:
-        return batch
-    import torch.distributed as td
-
-    box = [batch]
-    td.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _sync(engine, tokenizer, client, run_dir, version, cfg, export_hf, sync_weights) -> float:

@@ -186,7 +186,7 @@ class AlgoConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = _f(10, "Optimizer steps to run.")
+    max_steps: int = _f(10, "Training iterations (rollout + update); each makes ppo_epochs optimizer steps.")
     lr: float = _f(1e-5, "Peak learning rate (AdamW).")
     min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
     warmup_steps: int = _f(0, "Linear warmup steps.")
@@ -194,7 +194,7 @@ class TrainerConfig:
     betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
     grad_clip: float = _f(1.0, "Gradient-norm clipping (0 disables).")
     micro_batch_size: int = _f(4, "Sequences per forward/backward on one rank.")
-    grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step on one rank.")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step when building the engine; train.py then sizes it so one rollout batch is one step per PPO epoch.")
     ppo_epochs: int = _f(1, "Passes over each rollout batch.")
     zero_stage: int = _f(0, "DeepSpeed ZeRO stage 0-3.")
     precision: Literal["fp32", "bf16"] = _f("fp32", "Training precision (bf16 on GPUs).")

@@ -111,10 +111,10 @@ async def run_level(url: str, concurrency: int, n_requests: int, max_new_tokens:
 
 
 def run(preset: str = "tiny", levels: tuple[int, ...] = (1, 8, 32), max_new_tokens: int = 64,
-        rounds: int = 2, threads: Optional[int] = None, model_path: Optional[str] = None) -> dict:
+        rounds: int = 4, threads: Optional[int] = None, model_path: Optional[str] = None) -> dict:
     """Build the model (unless ``model_path``), start the server, measure every level.
 
-    Each level runs ``rounds * concurrency`` requests (at least 8), so every client
+    Each level runs ``rounds * concurrency`` requests (at least 16), so every client
     sends ``rounds`` requests and the batch stays full for most of the run.
     """
     from aflow_rl.models.tiny import build
@@ -131,7 +131,7 @@ def run(preset: str = "tiny", levels: tuple[int, ...] = (1, 8, 32), max_new_toke
             results = []
             for c in levels:
                 before = httpx.get(url + "/get_server_info").json()["internal_states"][0]
-                res = asyncio.run(run_level(url, c, max(8, rounds * c), max_new_tokens, vocab, seed=c))
+                res = asyncio.run(run_level(url, c, max(16, rounds * c), max_new_tokens, vocab, seed=c))
                 after = httpx.get(url + "/get_server_info").json()["internal_states"][0]
                 res["decode_steps"] = after["decode_steps"] - before["decode_steps"]
                 results.append(res)
@@ -173,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--model-path", default=None, help="serve this HF directory instead of building the preset")
     ap.add_argument("--levels", default="1,8,32", help="comma-separated concurrency levels")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
+    ap.add_argument("--rounds", type=int, default=4, help="requests per client at each level")
     ap.add_argument("--threads", type=int, default=None, help="server torch threads (default: the server's)")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     args = ap.parse_args(argv)

@@ -509,7 +509,7 @@ class Engine:
         temps = [s.req.params.temperature for s in seqs]
         greedy = [t < GREEDY_EPS for t in temps]
         scale = torch.tensor([1.0 if g else t for t, g in zip(temps, greedy)], dtype=logits.dtype)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)       # [N, V], reported
         if all(greedy):
             tokens = logits.argmax(-1)
         else:
