@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     from aflow_rl.algos.advantages import from_trajectories, valid_group_mask
     from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
     from aflow_rl.llm import make_client
-    from aflow_rl.rollout.pool import RolloutPool
-    from aflow_rl.rollout.sampler import TaskSampler, expand_groups
+    from aflow_rl.rollout.pool import RolloutPool, make_episodes
+    from aflow_rl.rollout.sampler import TaskSampler
     from aflow_rl.rollout.types import WorkerContext
     from aflow_rl.serving.grammar import GrammarBackend
     from aflow_rl.serving.manager import ServerManager
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         resume_from = resolve_resume(cfg.resume, run_dir)
         if resume_from:
             state = load_checkpoint(engine, resume_from)  # weights, optimizer, schedule, this rank's RNG
+            if main_rank:
+                print(f"resumed from {resume_from} at step {state.step}", flush=True)
 
         # ---- rank 0: the environment's task source, the worker pool, the weight-sync client ------
         worker_module = importlib.import_module(cfg.rollout.worker.split(":")[0])
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             if main_rank:
                 # 1. Rollout: B tasks x G episodes, streamed back from the worker processes.
                 tasks = sampler.next(cfg.rollout.tasks_per_step)
-                episodes = expand_groups(tasks, cfg.rollout.group_size, step)
+                episodes = make_episodes(tasks, cfg.rollout.group_size, prefix=f"s{step}-")
                 trajs = list(pool.run(episodes))
                 t_rollout = time.perf_counter() - t_start
                 _save_episodes(run_dir, step, trajs)

@@ -132,6 +132,7 @@ class SwarmEnvConfig:
         "model", "Orchestrator: model (policy server) | single | heuristic | bandit (baselines, no server).")
     action_schema: bool = _f(True, "Constrain model turns with the action JSON schema (false: free text).")
     task_schema: bool = _f(False, "Narrow the action schema each turn to the task's item ids, existing subagents and the cap.")
+    prompt: Literal["full", "compact"] = _f("full", "Observation text: full (documented actions and tools) | compact (state only).")
     auto_answer: bool = _f(False, "Score the subagents' collected results as the answer (finish's own entries fill gaps).")
     kb_seed: int = _f(0, "Seed of the local knowledge base that tasks are asked about.")
     bandit_latency_coef: float = _f(0.02, "bandit baseline: its reward is item_f1 - coef * critical_steps.")

@@ -344,4 +344,6 @@ def serve_remote(address: Any, authkey: bytes, slot: int, gen: int, spec: str, c
             asyncio.run(serve(_ConnLink(conn), runner, concurrency, timeout_s))
     finally:
         conn.close()
+        with _RUNNERS_LOCK:  # this context copy was the slot's alone (a dask worker outlives its slots)
+            _RUNNERS.pop((spec, id(ctx)), None)
     return info

@@ -46,7 +46,8 @@ class Switchboard:
     def __init__(self, events: queue.Queue, host: str = "127.0.0.1"):
         self.events = events
         self.authkey = secrets.token_bytes(32)
-        self.listener = Listener((host, 0), authkey=self.authkey)
+        # Listener's default backlog is 1: workers dialling in together would wait on TCP retries.
+        self.listener = Listener((host, 0), backlog=256, authkey=self.authkey)
         self.address = self.listener.address
         self.closed = False
         threading.Thread(target=self._accept, daemon=True, name="rollout-accept").start()
@@ -169,6 +170,8 @@ class _ConnSlot(Slot):
         self.conn = conn
 
     def send(self, msg: Any) -> None:
+        if self.conn is None:  # already closed by kill(); the pool has moved on
+            return
         try:
             self.conn.send(msg)
         except (OSError, EOFError):  # it died; the reader reports the loss

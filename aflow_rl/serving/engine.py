@@ -237,6 +237,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: list[_Seq] = []
         self._batch: Optional[_Batch] = None
+        self._prefilling: list[_Seq] = []      # admitted, not yet in the batch (failure bookkeeping)
         self._updates: list[tuple] = []
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
@@ -293,8 +294,8 @@ class Engine:
         with torch.inference_mode():
             while not self._stopping:
                 idle = self._batch is None and not self._waiting and not self._updates
-                self._drain_inbox(block=idle)
                 try:
+                    self._drain_inbox(block=idle)
                     self._step()
                 except Exception as exc:  # a bug must not take the server down: fail the batch, go on
                     log.exception("engine step failed")
@@ -342,12 +343,16 @@ class Engine:
             self._drop_finished()
 
     def _fail_all(self, message: str) -> None:
-        seqs = list(self._waiting) + (self._batch.seqs if self._batch else [])
-        self._waiting, self._batch = [], None
+        seqs = self._prefilling + self._waiting + (self._batch.seqs if self._batch else [])
+        self._prefilling, self._waiting, self._batch = [], [], None
         for seq in seqs:
             if seq.finish is None:
                 seq.finish = {"type": "abort", "message": message}
             self._deliver(seq)
+        if self._stopping:  # nobody will apply them any more
+            updates, self._updates = self._updates, []
+            for _, _, callback, _ in updates:
+                callback(False, message)
 
     def _step(self) -> None:
         if self._updates and self._batch is None:
@@ -357,6 +362,7 @@ class Engine:
             admitted = self._admit()
             if admitted:
                 self._prefill(admitted)
+            self._prefilling = []
         if self._batch is not None:
             self._decode()
 
@@ -370,6 +376,7 @@ class Engine:
                 break
             longest = max(longest, n)
             admitted.append(self._waiting.pop(0))
+        self._prefilling = admitted
         for seq in admitted:
             seq.t_admitted = time.perf_counter()
             if seq.req.grammar is not None:

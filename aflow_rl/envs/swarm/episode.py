@@ -69,7 +69,7 @@ async def run_swarm_episode(task: dict, cfg: Any, policy: Policy, *, executor: S
     last: dict | None = None
     step = 0
     while rt.ended is None:
-        obs = render(task, rt, mailbox=rt.drain_mailbox(), last=last)
+        obs = render(task, rt, mailbox=rt.drain_mailbox(), last=last, compact=sw.prompt == "compact")
         t0 = time.perf_counter()
         decision = await policy.act(obs)
         t1 = time.perf_counter()

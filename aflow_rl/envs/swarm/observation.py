@@ -51,8 +51,17 @@ def public_items(task: dict) -> list[dict]:
     return [dict(it) for it in task["items"]]
 
 
-def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | None) -> Observation:
-    """Observation of ``rt`` before the orchestrator's next turn."""
+COMPACT_SYSTEM_PROMPT = "Orchestrate subagents to answer every item. One JSON action per turn."
+
+
+def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | None,
+           compact: bool = False) -> Observation:
+    """Observation of ``rt`` before the orchestrator's next turn.
+
+    ``compact`` keeps only the state (items and their dependencies, subagents,
+    subtask statuses, known answers, turn budget): a fifth of the tokens, for
+    small policies whose action grammar already says what they may do.
+    """
     results = rt.results()
     items = public_items(task)
     b = rt.budgets
@@ -101,4 +110,12 @@ def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | 
     lines.append(f"Budget: turn {rt.steps + 1} of {b.max_steps}, tool calls {rt.tool_calls} of {b.max_tool_calls}, "
                  f"tokens {rt.tokens_in + rt.tokens_out} of {b.max_tokens}, at most {b.max_concurrent} "
                  f"subagents at once.")
+    if compact:
+        lines = [f"Items: " + " ".join(it["id"] + (f"<{','.join(it['deps'])}" if it["deps"] else "") for it in items)]
+        if rt.subagents:
+            lines.append("Subagents: " + " ".join(f"#{g.id}:{len(g.queue)}" for g in rt.subagents))
+        if rt.subtasks:
+            lines.append("Subtasks: " + " ".join(f"{st.item}={st.status}" for st in rt.subtasks.values()))
+        lines.append("Known: " + (" ".join(sorted(results)) or "none"))
+        lines.append(f"Turn {rt.steps + 1}/{b.max_steps}")
     return Observation(text="\n".join(lines), anchor_key=anchor, view=view)

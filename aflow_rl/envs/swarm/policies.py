@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, Action, action_schema_for
-from aflow_rl.envs.swarm.observation import SYSTEM_PROMPT, Observation
+from aflow_rl.envs.swarm.observation import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, Observation
 from aflow_rl.envs.swarm.profiles import ORCHESTRATOR_MS_PER_TOKEN_IN, ORCHESTRATOR_MS_PER_TOKEN_OUT, approx_tokens
 from aflow_rl.llm.base import LLMClient
 from aflow_rl.rollout.turns import generate_turn
@@ -60,16 +60,17 @@ class ModelPolicy:
     name = "model"
 
     def __init__(self, client: LLMClient, tokenizer: Any, *, temperature: float = 1.0, max_new_tokens: int = 96,
-                 constrained: bool = True, task_schema: bool = False):
+                 constrained: bool = True, task_schema: bool = False, compact: bool = False):
         self.client, self.tokenizer = client, tokenizer
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.constrained, self.task_schema = constrained, task_schema
+        self.system_prompt = COMPACT_SYSTEM_PROMPT if compact else SYSTEM_PROMPT
 
     def begin_episode(self, task: dict) -> None:
         pass
 
     async def act(self, obs: Observation) -> Decision:
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": obs.text}]
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": obs.text}]
         t0 = time.perf_counter()
         comp, turn = await generate_turn(self.client, self.tokenizer, messages, temperature=self.temperature,
                                          max_new_tokens=self.max_new_tokens, json_schema=self.schema(obs),
@@ -97,7 +98,7 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
                              "(workers.swarm_worker.init_worker builds them from llm.policy and serving.policy)")
         return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
-                           task_schema=cfg.env.swarm.task_schema)
+                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt == "compact")
     # baselines import this module for Decision; importing them here, at call time, avoids the cycle.
     from aflow_rl.envs.swarm.baselines import make_baseline
 

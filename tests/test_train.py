@@ -1,0 +1,91 @@
+"""train.py end to end, as a user runs it: a subprocess, real servers, pool, DeepSpeed, TensorBoard."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# DESIGN.md's metric tags that every swarm run must write.
+REQUIRED_TAGS = [
+    "rewards/mean", "rewards/std", "rewards/r_perf/mean", "rewards/r_parallel/mean", "rewards/r_finish/mean",
+    "rewards/format/mean", "losses/policy", "losses/kl", "losses/clipfrac", "losses/entropy", "losses/grad_norm",
+    "charts/lr", "episode/critical_steps", "episode/item_f1", "episode/avg_parallelism", "timing/rollout_s",
+    "timing/train_s", "timing/sync_s", "perf/tokens_per_s", "perf/logprob_mismatch", "pool/retries", "pool/failed",
+]
+
+
+def train_cmd(run_dir, model_dir, *overrides):
+    return [sys.executable, "train.py", "configs/test.yaml", f"run.dir={run_dir}",
+            f"serving.policy.model_path={model_dir}", *overrides]
+
+
+def scalars(run_dir):
+    acc = EventAccumulator(os.path.join(run_dir, "events"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def test_smoke_run_writes_events_checkpoint_trace_and_config(tmp_path, tiny_model_dir):
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.run(train_cmd(run_dir, tiny_model_dir), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    acc = scalars(run_dir)
+    tags = set(acc.Tags()["scalars"])
+    missing = [t for t in REQUIRED_TAGS if t not in tags]
+    assert not missing, f"missing tags {missing}; have {sorted(tags)}"
+    assert [e.step for e in acc.Scalars("rewards/mean")] == [1, 2]   # one x-axis: the optimizer step
+    assert acc.Tags()["histograms"] and acc.Tags()["tensors"]        # advantages histogram, text samples
+
+    ckpt = os.path.join(run_dir, "checkpoints", "step_2")
+    assert os.path.isfile(os.path.join(ckpt, "COMPLETE"))
+    state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
+    assert state["step"] == 2 and state["sampler"]["position"] == 4       # 2 steps x 2 tasks
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "hf")).config.model_type == "qwen2"
+
+    traces = glob.glob(os.path.join(run_dir, "traces", "*.jsonl"))
+    events = [json.loads(line) for path in traces for line in open(path)]
+    assert events and all("episode_id" in e for e in events)
+    episodes = [json.loads(line) for line in open(os.path.join(run_dir, "episodes", "step_000000.jsonl"))]
+    assert len(episodes) == 4 and all(e["status"] == "ok" for e in episodes)
+
+    resolved = yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))
+    assert resolved["run"]["dir"] == run_dir and resolved["trainer"]["max_steps"] == 2
+    assert not os.listdir(os.path.join(run_dir, "logs")) == []                # the server's log
+
+
+def test_killed_run_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
+    run_dir = str(tmp_path / "run")
+    args = train_cmd(run_dir, tiny_model_dir, "trainer.max_steps=3", "trainer.save_every=1")
+    # Run until the step-2 checkpoint is complete, then kill the whole process tree.
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    marker = os.path.join(run_dir, "checkpoints", "step_2", "COMPLETE")
+    deadline = time.monotonic() + 600
+    while not os.path.exists(marker):
+        assert proc.poll() is None, "training exited before its second checkpoint"
+        assert time.monotonic() < deadline, "no second checkpoint within 10 minutes"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step_3"))
+
+    again = subprocess.run(args + ["resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
+    assert "resumed from" in again.stdout and "at step 2" in again.stdout
+
+    state = json.load(open(os.path.join(run_dir, "checkpoints", "step_3", "trainer_state.json")))
+    assert state["step"] == 3 and state["sampler"]["position"] == 6        # no task drawn twice or skipped
+    steps = sorted({e.step for e in scalars(run_dir).Scalars("rewards/mean")})
+    assert steps == [1, 2, 3]
+    # The resumed run's episodes continue the numbering: step 2 (0-based) written once, by the second run.
+    assert os.path.exists(os.path.join(run_dir, "episodes", "step_000002.jsonl"))
