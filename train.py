@@ -41,8 +41,24 @@ def parse_args(argv: list[str]) -> Config:
         sys.exit(f"config error: {exc}")
 
 
+def preflight(cfg: Config) -> None:
+    """What a recipe needs from the machine, checked before anything slow starts."""
+    import importlib.util
+
+    import torch
+
+    if cfg.trainer.require_cuda and not torch.cuda.is_available():
+        sys.exit("this recipe trains on GPUs (trainer.require_cuda=true) but CUDA is not available here; "
+                 "on a CPU machine run configs/quickstart.yaml")
+    for role in ("policy", "actor"):
+        if getattr(cfg.serving, role).backend == "sglang" and importlib.util.find_spec("sglang") is None:
+            sys.exit(f"serving.{role}.backend=sglang but the sglang package is not installed: "
+                     "pip install -e .[gpu] (or use backend=embedded on CPU)")
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    preflight(cfg)
 
     # Heavy imports after argument parsing, so --help and config errors are instant.
     import torch
@@ -94,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
         # ---- rank 0: the environment's task source, the worker pool, the weight-sync client ------
         worker_module = importlib.import_module(cfg.rollout.worker.split(":")[0])
-        sampler = TaskSampler(worker_module.make_tasks, cfg, cfg.run.seed)
+        sampler = TaskSampler(worker_module.make_tasks, cfg, cfg.run.seed, num_tasks=cfg.rollout.num_tasks)
         if state.sampler:
             sampler.load_state_dict(state.sampler)
         grammar = GrammarBackend.from_pretrained(policy_path) if main_rank else None

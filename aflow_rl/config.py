@@ -112,6 +112,7 @@ class RolloutConfig:
     dask_address: str = _f("", "dask backend: scheduler address, e.g. tcp://10.0.0.1:8786.")
     group_size: int = _f(4, "Episodes per task (G): one GRPO/GiGPO group.")
     tasks_per_step: int = _f(4, "Tasks per iteration (B); B x G episodes per rollout.")
+    num_tasks: int = _f(0, "Size of a fixed task set, reshuffled each epoch (0: an endless stream of fresh tasks).")
     trace: bool = _f(True, "Append step events as JSONL under run.dir/traces.")
 
 
@@ -188,6 +189,8 @@ class AlgoConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = _f(10, "Training iterations (rollout + update); each makes ppo_epochs optimizer steps.")
+    epochs: int = _f(0, "Passes over rollout.num_tasks; when > 0 it sets max_steps = ceil(epochs * num_tasks / tasks_per_step).")
+    require_cuda: bool = _f(False, "Stop at start-up unless CUDA is available (GPU recipes set it).")
     lr: float = _f(1e-5, "Peak learning rate (AdamW).")
     min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr * min_lr_ratio.")
     warmup_steps: int = _f(0, "Linear warmup steps.")
@@ -398,6 +401,10 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}: must be at least 1, got {value}")
+    if cfg.trainer.epochs > 0:
+        if cfg.rollout.num_tasks < 1:
+            raise ConfigError("trainer.epochs needs a fixed task set: set rollout.num_tasks")
+        cfg.trainer.max_steps = -(-cfg.trainer.epochs * cfg.rollout.num_tasks // cfg.rollout.tasks_per_step)
     if cfg.env.swarm.min_items > cfg.env.swarm.max_items:
         raise ConfigError("env.swarm.min_items must not exceed env.swarm.max_items")
     if cfg.resume not in ("auto", "never") and not cfg.resume:

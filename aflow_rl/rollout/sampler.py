@@ -14,13 +14,33 @@ TaskFactory = Callable[[object, int, int], list]  # (config, n, seed) -> list[ta
 class TaskSampler:
     """Draws ``tasks_per_step`` tasks per call; ``position`` counts tasks drawn."""
 
-    def __init__(self, make_tasks: TaskFactory, config: object, seed: int, position: int = 0):
+    def __init__(self, make_tasks: TaskFactory, config: object, seed: int, position: int = 0,
+                 num_tasks: int = 0):
         self.make_tasks = make_tasks
         self.config = config
         self.seed = int(seed)
         self.position = int(position)
+        self.num_tasks = int(num_tasks)   # > 0: a fixed set, one shuffled pass per epoch
+        self._set: list[dict] | None = None
+
+    def _next_from_set(self, n: int) -> list[dict]:
+        """Tasks ``position .. position+n`` of the concatenated per-epoch shuffles of the fixed set."""
+        import random
+
+        if self._set is None:
+            self._set = self.make_tasks(self.config, self.num_tasks, self.seed)
+        out = []
+        for pos in range(self.position, self.position + n):
+            epoch, index = divmod(pos, self.num_tasks)
+            order = list(range(self.num_tasks))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            out.append(self._set[order[index]])
+        self.position += n
+        return out
 
     def next(self, n: int) -> list[dict]:
+        if self.num_tasks:
+            return self._next_from_set(n)
         # 1_000_003 is prime: distinct (seed, position) pairs give distinct seeds.
         tasks = self.make_tasks(self.config, n, self.seed * 1_000_003 + self.position)
         if len(tasks) != n:
