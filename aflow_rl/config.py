@@ -153,6 +153,25 @@ class PlanActConfig:
 
 
 @dataclass
+class AflowConfig:
+    dataset: str = _f("humaneval", "humaneval | rg:<reasoning-gym name> | <gsm8k|math|humaneval|mbpp|hotpotqa|drop>:<path.jsonl> (AFlow format).")
+    num_problems: int = _f(0, "Problems taken from the dataset before the split (0: all).")
+    val_ratio: float = _f(0.2, "Share of problems in the validation split (AFlow's 1:4 validation:test).")
+    split_seed: int = _f(42, "Seed of the validation/test split.")
+    max_nodes: int = _f(8, "Complexity limit: most operator nodes in a workflow.")
+    problem_timeout_s: float = _f(60.0, "Wall-clock limit for one workflow execution on one problem.")
+    eval_concurrency: int = _f(8, "Problems evaluated at once by one evaluation.")
+    validation_runs: int = _f(1, "Evaluations of each child on the validation split (scores averaged).")
+    max_rounds: int = _f(20, "Optimisation rounds of the search.")
+    top_k: int = _f(3, "Parent selection draws from the best top_k rounds (round 1 always included).")
+    selection: Literal["aflow", "mcts"] = _f("mcts", "Parent selection: aflow (soft-mixed prior) | mcts (prior + experience Q-values).")
+    prior_weight: float = _f(0.5, "MCTS: weight of AFlow's prior against the Q-values (1: plain prior, 0: Q only).")
+    convergence_rounds: int = _f(5, "Stop when the top 3 rounds are unchanged for this many rounds.")
+    failures_shown: int = _f(3, "Failed validation problems shown to the optimizer per proposal.")
+    executor_max_tokens: int = _f(512, "Most tokens per operator call on the executor (actor) model.")
+
+
+@dataclass
 class EnvConfig:
     name: Literal["swarm", "aflow"] = _f("swarm", "Environment family.")
     mode: Literal["swarm", "plan_act"] = _f("swarm", "swarm: spawn/assign/join orchestration | plan_act: planner + actor.")
@@ -160,6 +179,7 @@ class EnvConfig:
     max_new_tokens: int = _f(96, "Most tokens per orchestrator turn.")
     swarm: SwarmEnvConfig = _f(SwarmEnvConfig, "Swarm environment.")
     plan_act: PlanActConfig = _f(PlanActConfig, "Plan/Act mode.")
+    aflow: AflowConfig = _f(AflowConfig, "AFlow workflow search.")
 
 
 @dataclass
