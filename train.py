@@ -283,5 +283,21 @@ def _hparams(cfg: Config) -> dict:
             "kl_coef": cfg.algo.kl_coef, "temperature": cfg.env.temperature}
 
 
+def cli() -> None:
+    """``main`` with the failures a user can fix reported as one line, not a traceback
+    (set AFLOW_RL_TRACEBACK=1 to see it anyway)."""
+    from aflow_rl.llm.base import LLMError
+    from aflow_rl.rollout.pool import PoolError
+    from aflow_rl.serving.manager import ServerError
+    from aflow_rl.serving.weight_sync import WeightSyncError
+
+    try:
+        main()
+    except (ConfigError, ServerError, PoolError, WeightSyncError, LLMError) as exc:
+        if os.environ.get("AFLOW_RL_TRACEBACK"):
+            raise
+        sys.exit(f"error: {type(exc).__name__}: {exc}")
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -89,3 +89,29 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
     assert steps == [1, 2, 3]
     # The resumed run's episodes continue the numbering: step 2 (0-based) written once, by the second run.
     assert os.path.exists(os.path.join(run_dir, "episodes", "step_000002.jsonl"))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["configs/test.yaml", "trainer.lrr=1"], "unknown config key 'trainer.lrr': did you mean 'trainer.lr'?"),
+    (["configs/nope.yaml"], "config file not found: configs/nope.yaml"),
+    (["configs/test.yaml", "rollout.workers=two"], "rollout.workers: expected int, got 'two'"),
+])
+def test_bad_config_is_one_line_error(args, message):
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"config error: {message}"), lines
+
+
+def test_unreachable_external_server_is_a_clear_error(tmp_path, tiny_model_dir):
+    import socket
+
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(train_cmd(str(tmp_path / "run"), tiny_model_dir, "serving.policy.backend=external",
+                                    f"serving.policy.urls=[http://127.0.0.1:{port}]"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ServerError") and f"127.0.0.1:{port}" in last

@@ -29,7 +29,6 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from aflow_rl.bench import machine as bench_machine
 from aflow_rl.rollout.types import Trajectory, WorkerContext
 
 # -- the endpoint -------------------------------------------------------------------------------------
@@ -266,19 +266,11 @@ def bench_ray(url: str, concurrency: int, n: int, requests: int, workers: int, c
 
 
 def machine() -> dict:
-    """What the numbers were measured on."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    """What the numbers were measured on (plus the pool's own dependencies and the load)."""
     import joblib
 
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
-            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "python": platform.python_version(), "joblib": joblib.__version__, "httpx": httpx.__version__,
-            "load_avg_1m_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
+    return bench_machine(joblib=joblib.__version__, httpx=httpx.__version__,
+                         load_avg_1m_at_start=round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None)
 
 
 def _row(name: str, concurrency: int, n: int, res: dict, ideal: float) -> dict:

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import socket
 import subprocess
@@ -26,19 +25,7 @@ from typing import Optional
 
 import httpx
 
-
-def machine() -> dict:
-    """Where the numbers come from: platform, CPU model, cores, torch version."""
-    import torch
-
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__}
+from aflow_rl.bench import machine
 
 
 def _free_port() -> int:

@@ -23,7 +23,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from aflow_rl.bench import machine
 from aflow_rl.config import load_config
 from aflow_rl.envs.swarm.metrics import METRICS
 from aflow_rl.envs.swarm.tasks import SUITES, make_tasks
@@ -48,18 +48,6 @@ COLUMNS = [  # (key in the row, header, format)
     ("subtask_finish_rate", "finish_rate", "{:.3f}"), ("invalid_actions", "invalid", "{:.2f}"),
 ]
 BAR_REDUCTION = 0.30
-
-
-def machine() -> dict[str, Any]:
-    """Where the numbers were measured."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"platform": platform.platform(), "cpu": cpu, "cores": cores, "python": platform.python_version()}
 
 
 def _mean_row(trajs: list, policy: str, suite: str, seconds: float) -> dict[str, Any]:

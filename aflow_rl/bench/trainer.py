@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -27,25 +26,14 @@ import time
 
 import numpy as np
 
+from aflow_rl.bench import machine
+
 # Dense bf16 peak of the accelerators this project is benchmarked on (FLOP/s, datasheet).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 # Qwen2.5-0.5B's shape, randomly initialised (nothing is downloaded).
 SIZE_05B = dict(vocab_size=32768, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096)
-
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, {dev}, torch {torch.__version__}"
 
 
 def synthetic_turns(n: int, prompt_len: int, response_len: int, vocab: int, seed: int):
@@ -154,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
 
     result = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "train_step": bench_train_step(args)}
     ts = result["train_step"]
-    print(f"machine: {result['machine']}")
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()))
     print(f"train step ({args.size}, {ts['params'] / 1e6:.2f}M params, {ts['precision']}, {ts['device']}): "
           f"{args.batch} x ({args.prompt_len}+{args.response_len}) tokens, median {ts['step_s_median']:.3f} s "
           f"-> {ts['tokens_per_s']:.0f} tokens/s" + (f", MFU {100 * ts['mfu']:.1f}%" if "mfu" in ts else ""))
