@@ -73,13 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     from aflow_rl.rollout.types import WorkerContext
     from aflow_rl.serving.grammar import GrammarBackend
     from aflow_rl.serving.manager import ServerManager
-    from aflow_rl.serving.weight_sync import sync_weights
     from aflow_rl.trainer.batch import turn_grammar_masks
     from aflow_rl.trainer.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
     from aflow_rl.trainer.engine import (build_engine, load_reference, setup_distributed, share_from_rank0,
                                          teardown_distributed, train_step)
     from aflow_rl.trainer.logger import TBLogger
-    from aflow_rl.trainer.weights import export_hf
 
     # ---- distributed set-up: plain python is a 1-rank group, torchrun gives N ranks -------------
     dist = setup_distributed()
@@ -120,9 +118,9 @@ def main(argv: list[str] | None = None) -> None:
             urls = servers.all_urls()
             pool = RolloutPool(cfg.rollout, WorkerContext(config=cfg, urls=urls, run_dir=run_dir)).start()
             policy_admin = make_client(cfg.llm.policy, urls.get("policy", []), role="policy")
-            if state.step > 0 and urls.get("policy"):
-                # The servers started from the base model: bring them to the resumed weights.
-                _sync(engine, tokenizer, policy_admin, run_dir, state.step, cfg, export_hf, sync_weights)
+        if state.step > 0:
+            # The servers started from the base model: bring them to the resumed weights.
+            _sync(engine, tokenizer, policy_admin if main_rank else None, run_dir, state.step, cfg)
 
         # ---- the loop ----------------------------------------------------------------------------
         bar = tqdm(total=cfg.trainer.max_steps, initial=state.step, disable=not main_rank,
@@ -173,8 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             # 5. Weight sync: the servers sample the next rollout from the new weights.
             sync_s = 0.0
             if (step + 1) % cfg.trainer.sync_every == 0 and turns:
-                sync_s = _sync(engine, tokenizer, policy_admin if main_rank else None, run_dir, step + 1, cfg,
-                               export_hf, sync_weights)
+                sync_s = _sync(engine, tokenizer, policy_admin if main_rank else None, run_dir, step + 1, cfg)
 
             # 6. Logging (rank 0) and checkpoints (every rank: ZeRO shards are per rank).
             state.step, state.sampler, state.anneal_step = step + 1, sampler.state_dict(), step + 1
@@ -212,21 +209,24 @@ def main(argv: list[str] | None = None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _sync(engine, tokenizer, client, run_dir, version, cfg, export_hf, sync_weights) -> float:
-    """Export the weights (collective under ZeRO-3), then rank 0 pushes and verifies them."""
+def _sync(engine, tokenizer, client, run_dir, version, cfg) -> float:
+    """Export the weights, compute the probe logprobs (both collective under ZeRO-3, so every
+    rank calls this), then rank 0 (``client`` not None) pushes them and verifies the servers."""
     import torch
+
+    from aflow_rl.serving.weight_sync import sync_weights
+    from aflow_rl.trainer.weights import export_hf
 
     t0 = time.perf_counter()
     model_dir = export_hf(engine, tokenizer, os.path.join(run_dir, "sync", "policy"))
-    if client is None or not client.urls:
-        return time.perf_counter() - t0
     # Probe: the trainer's own logprobs of a fixed prompt; the servers must reproduce them.
     probe_ids = tokenizer.encode('{"action": "finish", "answer": "probe"}', add_special_tokens=False)[:16]
     with torch.no_grad():
-        model = engine.module
-        ids = torch.tensor([probe_ids], device=next(model.parameters()).device)
-        logits = model(input_ids=ids).logits.float()[0, :-1]
+        ids = torch.tensor([probe_ids], device=engine.device)
+        logits = engine.module(input_ids=ids).logits.float()[0, :-1]
         expected = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
+    if client is None or not client.urls:
+        return time.perf_counter() - t0
     tol = 1e-2 if cfg.trainer.precision == "fp32" else 0.1
     asyncio.run(sync_weights(client, model_dir, version, probe_ids=probe_ids, expected_logprobs=expected,
                              tol=tol, timeout_s=cfg.trainer.sync_timeout_s))

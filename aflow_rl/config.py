@@ -166,9 +166,16 @@ class AflowConfig:
     top_k: int = _f(3, "Parent selection draws from the best top_k rounds (round 1 always included).")
     selection: Literal["aflow", "mcts"] = _f("mcts", "Parent selection: aflow (soft-mixed prior) | mcts (prior + experience Q-values).")
     prior_weight: float = _f(0.5, "MCTS: weight of AFlow's prior against the Q-values (1: plain prior, 0: Q only).")
+    q_prior_count: float = _f(1.0, "MCTS: pseudo-visits n0 shrinking a node's mean improvement toward its value estimate (0 without a value hook).")
+    format_penalty: float = _f(-0.1, "Reward of an invalid or unchanged proposal (never executed); also its recorded improvement.")
+    initial_workflow: str = _f("", "YAML file of the round-1 workflow (empty: AFlow's single generation node).")
+    prompt: Literal["full", "compact"] = _f("full", "Optimizer prompt: full (operator docs, failures) | compact (no operator docs, shorter excerpts: small contexts).")
     convergence_rounds: int = _f(5, "Stop when the top 3 rounds are unchanged for this many rounds.")
     failures_shown: int = _f(3, "Failed validation problems shown to the optimizer per proposal.")
     executor_max_tokens: int = _f(512, "Most tokens per operator call on the executor (actor) model.")
+    max_samples: int = _f(5, "Complexity limit: most samples of a generator node, candidates of an ensemble, MdEnsemble votes.")
+    max_loop_rounds: int = _f(3, "Complexity limit: most Revise max_rounds, Test max_fixes, Programmer attempts.")
+    code_timeout_s: float = _f(10.0, "Sandbox wall-clock limit of one Programmer/Test code run.")
 
 
 @dataclass

@@ -183,12 +183,12 @@ class SharedExperiencePool:
                     raise
                 time.sleep(0.05 * 2 ** attempt)
 
-    def _write(self, sql: str, params: tuple) -> int:
-        """Run one statement in its own ``BEGIN IMMEDIATE`` transaction; return lastrowid."""
+    def _write(self, sql: str, params: tuple) -> tuple[int, int]:
+        """Run one statement in its own ``BEGIN IMMEDIATE`` transaction; return (lastrowid, rowcount)."""
         with self._lock:
             conn = self._connection()
 
-            def txn() -> int:
+            def txn() -> tuple[int, int]:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     cur = conn.execute(sql, params)
@@ -196,7 +196,7 @@ class SharedExperiencePool:
                 except BaseException:
                     conn.execute("ROLLBACK")
                     raise
-                return int(cur.lastrowid or 0)
+                return int(cur.lastrowid or 0), int(cur.rowcount)
 
             return self._retry(txn)
 
@@ -229,11 +229,15 @@ class SharedExperiencePool:
         row["accepted"] = int(bool(values.accepted))
         verb = "INSERT OR REPLACE" if on_conflict == "replace" else "INSERT OR IGNORE"
         sql = f"{verb} INTO experience ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
-        rowid = self._write(sql, tuple(row[c] for c in _COLUMNS))
+        rowid, _ = self._write(sql, tuple(row[c] for c in _COLUMNS))
         if on_conflict == "ignore" and exp.key is not None:
             stored = self.get(exp.key)
             return stored.id if stored is not None else rowid
         return rowid
+
+    def remove(self, key: str) -> int:
+        """Delete the record stored under ``key``; return how many were deleted (0 or 1)."""
+        return self._write("DELETE FROM experience WHERE key = ?", (key,))[1]
 
     # -- reading ------------------------------------------------------------------------------------
 

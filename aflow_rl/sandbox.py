@@ -1,0 +1,372 @@
+"""Running generated code safely: ``run_python(code) -> SandboxResult``.
+
+Every call runs the code in a fresh Python process (``python -I -S``: isolated
+mode, no ``site`` processing; the standard library and the interpreter's
+site-packages directories are importable, ``.pth`` hooks and editable installs
+such as ``aflow_rl`` itself are not) with
+
+* rlimits: CPU time (timeout + 1 s), address space (``memory_mb``), file size
+  (16 MB), open files (256), no core dumps, and processes+threads (64);
+* a wall-clock timeout kept by this process, which then kills the whole
+  process group (and, in jail mode, the PID namespace);
+* a scrubbed environment (PATH, locale, HOME/TMPDIR, thread counts: none of
+  the parent's variables, so no secrets);
+* a throwaway working directory (``tempfile.mkdtemp``), removed afterwards;
+* stdout and stderr captured and capped at 1 MB each;
+* a Python-level guard that makes Internet sockets raise ``PermissionError``.
+
+How much more isolation there is depends on the machine, see ``isolation()``:
+
+* ``jail`` (Linux, root with CAP_SYS_ADMIN; chosen automatically when a probe
+  run succeeds): new mount, network, PID and IPC namespaces; a read-only
+  chroot that holds only the system dirs (/usr, /lib...), the Python install,
+  a few /etc files, /dev/{null,zero,full,random,urandom} and the namespace's
+  /proc, with the work directory as the only writable place (mounted at /tmp,
+  also the cwd); a fresh unprivileged uid per run (so RLIMIT_NPROC applies and
+  nothing outside the work dir is writable), no capabilities, no_new_privs;
+  an empty network namespace (no interface up: even the host's 127.0.0.1 is
+  unreachable, whatever the code does below the Python guard); every process
+  killed when the run ends. The run dir, /root, /home, /work and the host's
+  other processes are invisible.
+* ``basic`` (elsewhere, or forced with ``AFLOW_SANDBOX=basic``): the limits
+  above plus a Python-level guard against process creation (``os.fork``,
+  ``subprocess``, ``os.system`` ...). It is not a filesystem jail: the code
+  runs as the calling user and can read and write what that user can, and a
+  determined program can undo Python-level guards (``import _socket``). As
+  root, RLIMIT_NPROC is not enforced by the kernel at all.
+
+``run_python`` never raises because of the code it runs; a failure of the
+sandbox itself (it could not start) comes back as ``ok=False`` with the reason.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+MAX_OUTPUT_BYTES = 1 << 20  # per stream; the rest is read and dropped so the child never blocks
+FSIZE_BYTES = 16 << 20
+NOFILE = 256
+NPROC = 64  # counts threads too (RLIMIT_NPROC counts tasks)
+# After the program exits, how long to wait for its pipes to close (basic mode: orphans may hold them).
+_EXIT_GRACE_S = 0.5
+# Per-run uids for jail mode: far above any real account, so no file on the host belongs to them.
+_UID_BASE, _UID_SPAN = 2_000_000_000, 100_000_000
+_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py")
+_ENV_MODE = "AFLOW_SANDBOX"
+
+# Runs in the sandboxed interpreter before the user's code (as ``python -c``), then executes
+# main.py as __main__. Frames of this prelude ("<string>") are cut from tracebacks, so the
+# error text an LLM sees points at its own code only.
+_PRELUDE = '''
+def _sbx_main(site_dirs, block_spawn):
+    import socket
+    import sys
+    sys.argv = ["main.py"]
+    sys.path.extend(site_dirs)
+
+    class GuardedSocket(socket.socket):
+        def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
+            if fileno is None and family in (-1, socket.AF_INET, socket.AF_INET6):
+                raise PermissionError(1, "network access is disabled in the sandbox")
+            super().__init__(family, type, proto, fileno)
+
+    socket.socket = GuardedSocket
+    if block_spawn:
+        import os
+        import _posixsubprocess
+
+        def deny(*args, **kwargs):
+            raise PermissionError(1, "creating processes is disabled in the sandbox")
+
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "popen", "execv",
+                     "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe", "spawnv",
+                     "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe"):
+            if hasattr(os, name):
+                setattr(os, name, deny)
+        _posixsubprocess.fork_exec = deny
+
+    def excepthook(tp, value, tb):
+        import traceback
+        while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
+            tb = tb.tb_next
+        traceback.print_exception(tp, value, tb)
+
+    sys.excepthook = excepthook
+    with open("main.py", encoding="utf-8") as f:
+        source = f.read()
+    g = sys.modules["__main__"].__dict__
+    del g["_sbx_main"]
+    g["__file__"] = "main.py"
+    exec(compile(source, "main.py", "exec"), g)
+'''
+
+
+@dataclass
+class SandboxResult:
+    """Outcome of one sandboxed run.
+
+    ``exit_code`` follows ``subprocess``: negative for a signal (``-9`` after a
+    kill); ``error`` is a short human reason, ``""`` when ``ok``.
+    """
+
+    ok: bool
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    error: str
+
+
+def run_python(code: str, *, timeout_s: float = 10, memory_mb: int = 512, stdin: str | bytes | None = None
+               ) -> SandboxResult:
+    """Run ``code`` as a Python program in the sandbox; ``stdin`` is fed to it. Never raises for bad code."""
+    if not isinstance(code, str):
+        raise TypeError(f"code must be str, got {type(code).__name__}")
+    if not timeout_s > 0 or not memory_mb > 0:
+        raise ValueError(f"timeout_s and memory_mb must be positive (got {timeout_s}, {memory_mb})")
+    return _run(code, timeout_s=float(timeout_s), memory_mb=int(memory_mb), stdin=stdin, mode=isolation())
+
+
+_probe_lock = threading.Lock()
+_probed: str | None = None
+
+
+def isolation() -> str:
+    """``"jail"`` or ``"basic"``: what ``run_python`` uses on this machine (module docstring).
+
+    ``AFLOW_SANDBOX=basic|jail`` forces one; otherwise the first call probes
+    the jail once per process and falls back to basic, with a warning, if it fails.
+    """
+    global _probed
+    forced = os.environ.get(_ENV_MODE, "").strip().lower()
+    if forced:
+        if forced not in ("basic", "jail"):
+            raise ValueError(f"{_ENV_MODE}={forced!r}: use 'basic' or 'jail', or unset it to probe")
+        return forced
+    with _probe_lock:
+        if _probed is None:
+            _probed = _probe_jail()
+        return _probed
+
+
+def _probe_jail() -> str:
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return "basic"
+    r = _run("print('ok')", timeout_s=20.0, memory_mb=256, stdin=None, mode="jail")
+    if r.ok and r.stdout == "ok\n":
+        return "jail"
+    log.warning("sandbox: jail unavailable (%s); using basic isolation (limits and Python-level guards only)",
+                r.error or r.stderr.strip()[-200:])
+    return "basic"
+
+
+def _python_dirs() -> tuple[list[str], list[str]]:
+    """(site-packages dirs to import from, every dir the interpreter needs inside the jail)."""
+    site_dirs: list[str] = []
+    for d in [sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib"), *site.getsitepackages()]:
+        if d and os.path.isdir(d) and d not in site_dirs:
+            site_dirs.append(d)
+    needed = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+              os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable)), *site_dirs]
+    return site_dirs, list(dict.fromkeys(needed))
+
+
+def _run(code: str, *, timeout_s: float, memory_mb: int, stdin: str | bytes | None, mode: str) -> SandboxResult:
+    base = tempfile.mkdtemp(prefix="aflow_sbx_")
+    try:
+        return _run_in(base, code, timeout_s, memory_mb, stdin, mode)
+    except OSError as e:  # the sandbox itself could not start (fork/pipe/disk): report, don't raise
+        return SandboxResult(False, -1, "", "", False, f"sandbox failed to start: {e}")
+    finally:
+        shutil.rmtree(base, onerror=_force_remove)
+
+
+def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode: str) -> SandboxResult:
+    work, jail_root = os.path.join(base, "work"), os.path.join(base, "root")
+    os.mkdir(work, 0o700)
+    os.mkdir(jail_root, 0o755)
+    with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
+        f.write(code)
+    stdin_path = os.path.join(base, "stdin")
+    with open(stdin_path, "wb") as f:
+        f.write(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
+    uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if mode == "jail" else os.getuid()
+    if mode == "jail":
+        os.chown(work, uid, uid)
+    home = "/tmp" if mode == "jail" else work
+    site_dirs, python_dirs = _python_dirs()
+    token = os.path.basename(base)
+    cfg = {
+        "mode": mode, "uid": uid, "work": work, "jail_root": jail_root, "python_dirs": python_dirs,
+        "limits": {"cpu_s": int(math.ceil(timeout_s)) + 1, "as_bytes": memory_mb << 20,
+                   "fsize_bytes": FSIZE_BYTES, "nofile": NOFILE, "nproc": NPROC},
+        # The token names the run in `ps` (and lets tests find leftovers); the prelude hides it from sys.argv.
+        "argv": [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c",
+                 _PRELUDE + f"_sbx_main({site_dirs!r}, {mode != 'jail'})\n", f"aflow-sandbox:{token}"],
+        "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": home,
+                "TMPDIR": home, "USER": "sandbox", "LOGNAME": "sandbox", "OMP_NUM_THREADS": "1",
+                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    }
+    status_r, status_w = os.pipe()
+    cfg["status_fd"] = status_w
+    try:
+        with open(stdin_path, "rb") as stdin_f:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-B", _INIT, json.dumps(cfg)], stdin=stdin_f, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, cwd=work, env={"PATH": cfg["env"]["PATH"], "LANG": "C.UTF-8"},
+                start_new_session=True, pass_fds=(status_w,), close_fds=True)
+    except BaseException:
+        os.close(status_r)
+        raise
+    finally:
+        os.close(status_w)
+    try:
+        out, err, status, timed_out = _collect(proc, status_r, timeout_s)
+    finally:
+        # Kill the group while the leader is still unreaped, so its pid (= the pgid) cannot be reused.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        if mode != "jail":
+            _sweep(token)
+        proc.stdout.close()
+        proc.stderr.close()
+        os.close(status_r)
+    return _result(proc.returncode, out, err, status, timed_out, timeout_s, memory_mb)
+
+
+def _exited(pid: int) -> bool:
+    """Has ``pid`` ended? Looks without reaping it (WNOWAIT), see the killpg above."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _collect(proc: subprocess.Popen, status_r: int, timeout_s: float):
+    """Read stdout/stderr (capped) and the status pipe until they close or the deadline passes."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    streams = {proc.stdout.fileno(): [bytearray(), 0], proc.stderr.fileno(): [bytearray(), 0]}
+    status = bytearray()
+    sel = selectors.DefaultSelector()
+    for fd in (*streams, status_r):
+        sel.register(fd, selectors.EVENT_READ)
+    timed_out, exited = False, False
+    with sel:
+        while sel.get_map():
+            now = time.monotonic()
+            if not exited and _exited(proc.pid):
+                exited = True
+                deadline = min(deadline, now + _EXIT_GRACE_S)
+            if now >= deadline:
+                timed_out = not exited
+                break
+            for key, _ in sel.select(min(deadline - now, 0.05)):
+                data = os.read(key.fd, 1 << 16)
+                if not data:
+                    sel.unregister(key.fd)
+                elif key.fd == status_r:
+                    status += data
+                else:
+                    buf = streams[key.fd]
+                    room = MAX_OUTPUT_BYTES - len(buf[0])
+                    buf[0] += data[:max(room, 0)]
+                    buf[1] += max(len(data) - max(room, 0), 0)
+    out, err = (_text(*streams[s.fileno()]) for s in (proc.stdout, proc.stderr))
+    return out, err, status.decode(errors="replace"), timed_out
+
+
+def _text(data: bytearray, dropped: int) -> str:
+    text = data.decode("utf-8", errors="replace")
+    return text + f"\n[... output truncated: {dropped} more bytes]" if dropped else text
+
+
+def _result(returncode: int, out: str, err: str, status: str, timed_out: bool, timeout_s: float,
+            memory_mb: int) -> SandboxResult:
+    exit_code, setup_error = returncode, ""
+    for line in status.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind == "setup-error" and not setup_error:
+            setup_error = rest
+        elif kind == "exit":
+            exit_code = int(rest)
+        elif kind == "signal":
+            exit_code = -int(rest)
+    if timed_out:
+        error = f"timed out after {timeout_s:g} s"
+    elif setup_error:
+        error = f"sandbox setup failed: {setup_error}"
+    elif exit_code < 0:
+        sig = -exit_code
+        if sig == signal.SIGXCPU:
+            error = f"CPU time limit of {math.ceil(timeout_s) + 1} s exceeded"
+        else:
+            error = f"killed by signal {sig} ({_signame(sig)})"
+    elif exit_code != 0:
+        tail = err[-4000:]
+        if "MemoryError" in tail or "Cannot allocate memory" in tail:
+            error = f"memory limit {memory_mb} MB exceeded"
+        elif "BlockingIOError" in tail or "Resource temporarily unavailable" in tail:
+            error = f"process limit of {NPROC} processes/threads reached"
+        else:
+            last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "")
+            error = f"exit code {exit_code}" + (f": {last[:200]}" if last else "")
+    else:
+        error = ""
+    return SandboxResult(ok=not error, exit_code=exit_code, stdout=out, stderr=err, timed_out=timed_out,
+                         error=error)
+
+
+def _sweep(token: str) -> None:
+    """Basic mode: kill processes that left the process group (setsid) but still carry the run's token.
+
+    Forked children keep the interpreter's command line, token included; a program
+    that exec'd something else under a new session escapes this (the jail has no such gap).
+    """
+    for _ in range(10):  # a few passes: a survivor may fork between our scan and our kill
+        found = False
+        for p in psutil.process_iter(["cmdline"]):
+            if f"aflow-sandbox:{token}" in (p.info["cmdline"] or ()):
+                found = True
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        if not found:
+            return
+        time.sleep(0.01)
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return "unknown"
+
+
+def _force_remove(func, path, _exc_info) -> None:
+    """rmtree error handler: the program may have left read-only dirs in its work directory."""
+    try:
+        os.chmod(os.path.dirname(path), 0o700)
+        os.chmod(path, 0o700)
+        func(path)
+    except OSError:
+        pass

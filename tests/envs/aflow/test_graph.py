@@ -1,0 +1,224 @@
+"""Workflow graphs: validation (every rejection kind, before any execution), YAML, hash, schema, parsing."""
+import asyncio
+import json
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from aflow_rl.envs.aflow.graph import (OPERATORS, WORKFLOW_SCHEMA, Node, Workflow, WorkflowError, default_workflow,
+                                       execution_order, parse_workflow, validate, workflow_hash, workflow_schema)
+from aflow_rl.llm.base import Completion
+
+
+@dataclass
+class Problem:
+    id: str
+    question: str
+    answer: str = ""
+    kind: str = "qa"
+    metadata: dict = field(default_factory=dict)
+
+
+class CountingLLM:
+    """Counts chat calls; a rejected workflow must leave it at zero."""
+
+    base_url = "fake://executor"
+
+    def __init__(self):
+        self.calls = 0
+
+    async def chat(self, messages, *, return_logprob=False, **sampling):
+        self.calls += 1
+        return Completion(text="x", prompt_tokens=1, completion_tokens=1)
+
+    async def generate(self, prompt=None, **kw):
+        raise AssertionError("operators use chat")
+
+    async def aclose(self):
+        pass
+
+
+def wf(*nodes, output=None, name="") -> Workflow:
+    return Workflow(nodes=[Node(*n) if isinstance(n, tuple) else n for n in nodes],
+                    output=output or (nodes[-1][0] if nodes else "a"), name=name)
+
+
+def review_revise() -> Workflow:
+    return wf(("a", "AnswerGenerate", {}, ["problem"]), ("r", "Review", {}, ["a"]),
+              ("v", "Revise", {"max_rounds": 2}, ["a", "r"]))
+
+
+VALID = [
+    default_workflow(),
+    default_workflow("code"),
+    review_revise(),
+    wf(("g", "Custom", {"instruction": "Solve.", "samples": 3}, []), ("e", "ScEnsemble", {}, ["g"])),
+    wf(("x", "Custom", {}, []), ("y", "AnswerGenerate", {}, []), ("z", "Programmer", {"attempts": 2}, ["problem"]),
+       ("m", "MdEnsemble", {"votes": 2}, ["x", "y", "z"]), ("f", "Format", {}, ["m"])),
+    wf(("c", "CustomCodeGenerate", {"instruction": "Write it."}, []), ("t", "Test", {"max_fixes": 2}, ["c"]),
+       ("f", "Format", {}, ["t"])),
+]
+
+
+@pytest.mark.parametrize("workflow", VALID, ids=lambda w: "-".join(n.op for n in w.nodes))
+def test_valid_workflows_pass(workflow):
+    validate(workflow, max_nodes=8)
+
+
+INVALID = {
+    "unknown operator": (wf(("a", "Magic", {}, [])), "unknown operator 'Magic'"),
+    "operator typo": (wf(("a", "ScEnsembel", {}, ["problem"])), "did you mean 'ScEnsemble'"),
+    "missing input": (wf(("a", "Format", {}, ["ghost"])), "missing input 'ghost'"),
+    "cycle": (wf(("a", "Custom", {}, ["b"]), ("b", "Format", {}, ["a"])), "cycle"),
+    "self loop": (wf(("a", "Format", {}, ["a"])), "cycle: a -> a"),
+    "too many nodes": (wf(*[(f"n{i}", "Custom", {}, []) for i in range(9)]),
+                       "complexity over the limit: 9 nodes (at most 8)"),
+    "k over cap": (wf(("g", "Custom", {"samples": 9}, []), ("e", "ScEnsemble", {}, ["g"])),
+                   "complexity over the limit: param samples=9 is above 5"),
+    "candidates over cap": (wf(*[(f"g{i}", "Custom", {}, []) for i in range(6)],
+                               ("e", "ScEnsemble", {}, [f"g{i}" for i in range(6)])),
+                            "complexity over the limit: 6 candidates"),
+    "loop over cap": (wf(("a", "Custom", {}, []), ("r", "Review", {}, ["a"]),
+                         ("v", "Revise", {"max_rounds": 7}, ["a", "r"])),
+                      "complexity over the limit: param max_rounds=7 is above 3"),
+    "fixes over cap": (wf(("c", "CustomCodeGenerate", {}, []), ("t", "Test", {"max_fixes": 4}, ["c"])),
+                       "param max_fixes=4 is above 3"),
+    "missing output": (wf(("a", "Custom", {}, []), output="zzz"), "missing output node 'zzz'"),
+    "unknown param": (wf(("a", "Custom", {"instructions": "x"}, [])), "unknown param 'instructions'"),
+    "param type": (wf(("a", "Custom", {"samples": "3"}, [])), "param 'samples' must be int"),
+    "bool is not int": (wf(("a", "Custom", {"samples": True}, [])), "param 'samples' must be int"),
+    "param below": (wf(("a", "Programmer", {"attempts": 0}, [])), "param attempts=0 is below 1"),
+    "temperature": (wf(("a", "Custom", {"temperature": 5}, [])), "param temperature=5 is above 2"),
+    "long instruction": (wf(("a", "Custom", {"instruction": "x" * 3000}, [])), "3000 chars"),
+    "arity": (wf(("a", "Custom", {}, []), ("f", "Format", {}, ["a", "problem"])), "takes exactly 1 inputs, got 2"),
+    "no inputs": (wf(("e", "ScEnsemble", {}, [])), "takes 1 to 8 inputs, got 0"),
+    "duplicate id": (wf(("a", "Custom", {}, []), ("a", "Format", {}, ["a"])), "duplicate node id 'a'"),
+    "bad id": (wf(("a b", "Custom", {}, [])), "bad node id 'a b'"),
+    "problem as id": (wf(("problem", "Custom", {}, [])), "bad node id 'problem'"),
+    "candidates to non-ensemble": (wf(("g", "Custom", {"samples": 3}, []), ("f", "Format", {}, ["g"])),
+                                   "only ScEnsemble or MdEnsemble can read them"),
+    "candidates as output": (wf(("g", "Custom", {"samples": 2}, [])), "add a ScEnsemble or MdEnsemble"),
+    "ensemble of one": (wf(("g", "Custom", {}, []), ("e", "ScEnsemble", {}, ["g"])), "at least 2 candidates"),
+    "revise without review": (wf(("a", "Custom", {}, []), ("b", "Custom", {}, []), ("v", "Revise", {}, ["a", "b"])),
+                              "second input must be a Review"),
+    "revise other solution": (wf(("a", "Custom", {}, []), ("b", "Custom", {}, []), ("r", "Review", {}, ["b"]),
+                                 ("v", "Revise", {}, ["a", "r"])), "revises 'a' but Review 'r' reviews 'b'"),
+    "review as output": (wf(("a", "Custom", {}, []), ("r", "Review", {}, ["a"])), "is a Review"),
+    "no nodes": (Workflow(nodes=[], output="a"), "no nodes"),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID), ids=list(INVALID))
+def test_invalid_workflow_rejected_with_message_and_never_executed(case):
+    from aflow_rl.envs.aflow.evaluator import evaluate
+
+    workflow, message = INVALID[case]
+    with pytest.raises(WorkflowError) as info:
+        validate(workflow, max_nodes=8)
+    assert message in str(info.value), str(info.value)
+
+    llm = CountingLLM()
+    with pytest.raises(WorkflowError):
+        asyncio.run(evaluate(workflow, [Problem("p1", "2+2?", "4")], executor=llm, max_nodes=8,
+                             scorer=lambda p, pred: 1.0))
+    assert llm.calls == 0
+
+
+def test_every_problem_is_listed():
+    bad = wf(("a", "Magic", {}, []), ("b", "Custom", {"samples": 99}, ["nope"]), output="c")
+    with pytest.raises(WorkflowError) as info:
+        validate(bad, max_nodes=8)
+    problems = info.value.problems
+    assert len(problems) == 4
+    assert any("unknown operator" in p for p in problems) and any("missing input 'nope'" in p for p in problems)
+    assert any("samples=99" in p for p in problems) and any("missing output node 'c'" in p for p in problems)
+
+
+def test_caps_follow_the_arguments():
+    big = wf(("g", "Custom", {"samples": 6}, []), ("e", "ScEnsemble", {}, ["g"]))
+    validate(big, max_nodes=2, max_samples=6)
+    with pytest.raises(WorkflowError, match="2 nodes"):
+        validate(big, max_nodes=1, max_samples=6)
+
+
+def test_yaml_round_trip_and_readable():
+    w = VALID[4]
+    w.name = "vote"
+    w.nodes[0].params["instruction"] = "Think.\nThen answer."
+    text = w.to_yaml()
+    assert "op: MdEnsemble" in text and "inputs: [x, y, z]" in text and "instruction: |" in text
+    back = Workflow.from_yaml(text)
+    assert back.to_dict() == w.to_dict() and workflow_hash(back) == workflow_hash(w)
+    for sample in VALID:
+        assert Workflow.from_yaml(sample.to_yaml()).to_dict() == sample.to_dict()
+    assert Workflow.from_dict(json.loads(json.dumps(w.to_dict()))).to_dict() == w.to_dict()
+
+
+def test_hash_is_canonical():
+    d = review_revise().to_dict()
+    shuffled = {"nodes": [{k: n[k] for k in reversed(list(n))} for n in reversed(d["nodes"])],
+                "output": d["output"], "name": "renamed"}
+    assert workflow_hash(Workflow.from_dict(shuffled)) == workflow_hash(review_revise())
+    # explicit defaults and a generator's implicit problem input hash like their omission
+    plain = wf(("a", "Custom", {}, []))
+    explicit = wf(("a", "Custom", {"instruction": "", "samples": 1}, ["problem"]))
+    assert workflow_hash(plain) == workflow_hash(explicit)
+    assert workflow_hash(plain) != workflow_hash(wf(("a", "Custom", {"instruction": "Be brief."}, [])))
+    assert len(workflow_hash(plain)) == 40 and workflow_hash(plain) == workflow_hash(wf(("a", "Custom", {}, [])))
+
+
+def test_from_dict_shape_errors():
+    for bad, msg in [([], "must be a mapping"), ({"nodes": []}, "no 'output'"), ({"output": "a"}, "no 'nodes'"),
+                     ({"nodes": {}, "output": "a"}, "'nodes' must be a list"),
+                     ({"nodes": [{"id": "a", "op": "Custom", "input": []}], "output": "a"}, "did you mean 'inputs'"),
+                     ({"nodes": [{"id": 3, "op": "Custom"}], "output": "a"}, "'id' must be a string"),
+                     ({"nodes": [{"id": "a", "op": "Custom", "inputs": "problem"}], "output": "a"}, "list of node ids"),
+                     ({"nodes": [], "output": "a", "extra": 1}, "unknown workflow key 'extra'")]:
+        with pytest.raises(WorkflowError) as info:
+            Workflow.from_dict(bad)
+        assert msg in str(info.value)
+
+
+def test_parse_workflow_accepts_model_output_forms():
+    d = review_revise().to_dict()
+    raw = json.dumps(d)
+    for text in (raw, f"```json\n{raw}\n```", f"Here is my proposal:\n{raw}\nIt adds a review.",
+                 review_revise().to_yaml()):
+        assert workflow_hash(parse_workflow(text)) == workflow_hash(review_revise())
+
+
+def test_parse_workflow_garbage_raises_only_workflow_error():
+    rng = random.Random(0)
+    garbage = ["", "   ", "hello", "{", "}{", "[1, 2]", "null", "42", '{"nodes": 5, "output": "a"}',
+               "{" * 5000, "[" * 5000, "```json\n{not json}\n```", '{"nodes": [], "output": 3}', "a: [b",
+               "- - - x", "!!python/object:os.system {}", None, 12]
+    garbage += ["".join(rng.choice('{}[]":,abc \n\\01') for _ in range(rng.randint(1, 80))) for _ in range(300)]
+    for text in garbage:
+        try:
+            parse_workflow(text)
+        except WorkflowError:
+            pass
+
+
+def test_schema_compiles_and_accepts_valid_workflows():
+    jsonschema = pytest.importorskip("jsonschema")
+    xgr = pytest.importorskip("xgrammar")
+    xgr.Grammar.from_json_schema(json.dumps(WORKFLOW_SCHEMA))
+    for w in VALID:
+        d = {k: v for k, v in w.to_dict().items() if k != "name"}
+        jsonschema.validate(d, WORKFLOW_SCHEMA)
+    assert set(WORKFLOW_SCHEMA["properties"]["nodes"]["items"]["properties"]["op"]["enum"]) == set(OPERATORS)
+    small = workflow_schema(max_nodes=3, max_samples=2)
+    assert small["properties"]["nodes"]["maxItems"] == 3
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"nodes": [{"id": "a", "op": "Custom", "inputs": [], "params": {"samples": 3}}],
+                             "output": "a"}, small)
+
+
+def test_execution_order_skips_dead_nodes():
+    w = wf(("a", "Custom", {}, []), ("dead", "Custom", {}, []), ("r", "Review", {}, ["a"]),
+           ("v", "Revise", {}, ["a", "r"]), output="v")
+    validate(w, max_nodes=8)
+    order = [n.id for n in execution_order(w)]
+    assert order == ["a", "r", "v"]
