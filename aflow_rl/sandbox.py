@@ -1,9 +1,11 @@
 """Running generated code safely: ``run_python(code) -> SandboxResult``.
 
 Every call runs the code in a fresh Python process (``python -I -S``: isolated
-mode, no ``site`` processing; the standard library and the interpreter's
-site-packages directories are importable, ``.pth`` hooks and editable installs
-such as ``aflow_rl`` itself are not) with
+mode ignores PYTHON* variables, the user site and the script's directory; no
+``site`` processing, so no ``.pth`` hooks run and start-up is ~2x faster; a
+prelude then appends the interpreter's site-packages dirs, so the standard
+library and installed packages such as numpy/sympy import, but editable
+installs such as ``aflow_rl`` itself do not) with
 
 * rlimits: CPU time (timeout + 1 s), address space (``memory_mb``), file size
   (16 MB), open files (256), no core dumps, and processes+threads (64);
@@ -20,26 +22,32 @@ How much more isolation there is depends on the machine, see ``isolation()``:
 * ``jail`` (Linux, root with CAP_SYS_ADMIN; chosen automatically when a probe
   run succeeds): new mount, network, PID and IPC namespaces; a read-only
   chroot that holds only the system dirs (/usr, /lib...), the Python install,
-  a few /etc files, /dev/{null,zero,full,random,urandom} and the namespace's
-  /proc, with the work directory as the only writable place (mounted at /tmp,
-  also the cwd); a fresh unprivileged uid per run (so RLIMIT_NPROC applies and
-  nothing outside the work dir is writable), no capabilities, no_new_privs;
-  an empty network namespace (no interface up: even the host's 127.0.0.1 is
+  a few /etc files, the prelude, /dev/{null,zero,full,random,urandom} and the
+  namespace's own /proc, with the work directory as the only writable place
+  (mounted at /tmp, also the cwd); a fresh unprivileged uid per run (so
+  RLIMIT_NPROC applies per run, and nothing outside the work dir is
+  writable even through a mount), no capabilities, no_new_privs; an empty
+  network namespace (no interface up: even the host's 127.0.0.1 is
   unreachable, whatever the code does below the Python guard); every process
-  killed when the run ends. The run dir, /root, /home, /work and the host's
-  other processes are invisible.
+  killed with the PID namespace when the run ends. Everything else (the run
+  dir, the repository, home directories, the parent's environment via /proc,
+  the host's other processes) is invisible.
 * ``basic`` (elsewhere, or forced with ``AFLOW_SANDBOX=basic``): the limits
-  above plus a Python-level guard against process creation (``os.fork``,
-  ``subprocess``, ``os.system`` ...). It is not a filesystem jail: the code
-  runs as the calling user and can read and write what that user can, and a
-  determined program can undo Python-level guards (``import _socket``). As
-  root, RLIMIT_NPROC is not enforced by the kernel at all.
+  above, a Python-level guard against process creation (``os.fork``,
+  ``subprocess``, ``os.system`` ...), and after the run a sweep that kills
+  leftover processes still carrying the run's token in their command line.
+  It is not a jail: the code runs as the calling user and can read and write
+  whatever that user can (the run dir, ``/proc/<parent>/environ``), reach the
+  network and create processes by going below the Python guards
+  (``import _socket``, ``posix.fork``), and as root RLIMIT_NPROC is not
+  enforced by the kernel at all.
 
 ``run_python`` never raises because of the code it runs; a failure of the
 sandbox itself (it could not start) comes back as ``ok=False`` with the reason.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -72,11 +80,11 @@ _UID_BASE, _UID_SPAN = 2_000_000_000, 100_000_000
 _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py")
 _ENV_MODE = "AFLOW_SANDBOX"
 
-# Runs in the sandboxed interpreter before the user's code (as ``python -c``), then executes
-# main.py as __main__. Frames of this prelude ("<string>") are cut from tracebacks, so the
-# error text an LLM sees points at its own code only.
+# The script the sandboxed interpreter runs (jail: /sandbox_prelude.py, read-only): guards first, then
+# main.py as __main__. Its own frames are cut from tracebacks, so the error text an LLM sees points
+# at its code only. Filled in with the site-packages dirs and whether to block process creation.
 _PRELUDE = '''
-def _sbx_main(site_dirs, block_spawn):
+def _sbx_main(site_dirs, block_spawn, prelude_file):
     import socket
     import sys
     sys.argv = ["main.py"]
@@ -105,7 +113,7 @@ def _sbx_main(site_dirs, block_spawn):
 
     def excepthook(tp, value, tb):
         import traceback
-        while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
+        while tb is not None and tb.tb_frame.f_code.co_filename == prelude_file:
             tb = tb.tb_next
         traceback.print_exception(tp, value, tb)
 
@@ -116,7 +124,11 @@ def _sbx_main(site_dirs, block_spawn):
     del g["_sbx_main"]
     g["__file__"] = "main.py"
     exec(compile(source, "main.py", "exec"), g)
+
+
+_sbx_main(%r, %r, __file__)
 '''
+_JAIL_PRELUDE = "/sandbox_prelude.py"
 
 
 @dataclass
@@ -178,6 +190,7 @@ def _probe_jail() -> str:
     return "basic"
 
 
+@functools.lru_cache(maxsize=1)
 def _python_dirs() -> tuple[list[str], list[str]]:
     """(site-packages dirs to import from, every dir the interpreter needs inside the jail)."""
     site_dirs: list[str] = []
@@ -213,14 +226,18 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
         os.chown(work, uid, uid)
     home = "/tmp" if mode == "jail" else work
     site_dirs, python_dirs = _python_dirs()
+    prelude = os.path.join(base, "prelude.py")
+    with open(prelude, "w", encoding="utf-8") as f:
+        f.write(_PRELUDE % (site_dirs, mode != "jail"))
     token = os.path.basename(base)
     cfg = {
         "mode": mode, "uid": uid, "work": work, "jail_root": jail_root, "python_dirs": python_dirs,
+        "prelude": prelude, "jail_prelude": _JAIL_PRELUDE,
         "limits": {"cpu_s": int(math.ceil(timeout_s)) + 1, "as_bytes": memory_mb << 20,
                    "fsize_bytes": FSIZE_BYTES, "nofile": NOFILE, "nproc": NPROC},
         # The token names the run in `ps` (and lets tests find leftovers); the prelude hides it from sys.argv.
-        "argv": [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c",
-                 _PRELUDE + f"_sbx_main({site_dirs!r}, {mode != 'jail'})\n", f"aflow-sandbox:{token}"],
+        "argv": [sys.executable, "-I", "-S", "-B", "-X", "utf8", _JAIL_PRELUDE if mode == "jail" else prelude,
+                 f"aflow-sandbox:{token}"],
         "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": home,
                 "TMPDIR": home, "USER": "sandbox", "LOGNAME": "sandbox", "OMP_NUM_THREADS": "1",
                 "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
@@ -256,7 +273,10 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
 
 
 def _exited(pid: int) -> bool:
-    """Has ``pid`` ended? Looks without reaping it (WNOWAIT), see the killpg above."""
+    """Has ``pid`` ended? Looks without reaping it (WNOWAIT), see the killpg above. Where waitid is
+    missing (macOS) it answers no, and reading simply lasts until the pipes close or the deadline."""
+    if not hasattr(os, "waitid"):
+        return False
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 

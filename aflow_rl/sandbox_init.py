@@ -70,8 +70,9 @@ def _mkdirs(path: str) -> None:
     os.makedirs(path, mode=0o755, exist_ok=True)
 
 
-def _build_jail(root: str, work: str, python_dirs: list[str]) -> None:
-    """Read-only chroot at ``root``: userland, Python, /dev nodes, /proc; ``work`` writable at /tmp."""
+def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str, str]) -> None:
+    """Read-only chroot at ``root``: userland, Python, the prelude, /dev nodes, /proc; ``work`` writable
+    at /tmp. ``prelude`` is (host path, path in the jail)."""
     # Private propagation first, so none of the mounts below reaches the host's namespace.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
@@ -106,6 +107,8 @@ def _build_jail(root: str, work: str, python_dirs: list[str]) -> None:
     _mkdirs(root + "/proc")
     # A procfs of the new PID namespace: it lists only the sandbox's own processes.
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    open(root + prelude[1], "w").close()
+    _bind(prelude[0], root + prelude[1])
     _mkdirs(root + "/tmp")
     _bind(work, root + "/tmp", readonly=False)
     # Freeze the skeleton: writes anywhere but /tmp now fail with EROFS.
@@ -140,7 +143,7 @@ def _set_limits(cfg: dict, uid: int) -> None:
     if uid != 0:
         # NPROC counts every task of the uid: a fresh jail uid starts at 0; in basic mode the
         # user's other processes count too, so the budget is added on top of them.
-        base = 0 if cfg["mode"] == "jail" else _nproc_in_use(uid)
+        base = 0 if cfg["mode"] == "jail" or not os.path.isdir("/proc") else _nproc_in_use(uid)
         resource.setrlimit(resource.RLIMIT_NPROC, (base + lim["nproc"], base + lim["nproc"]))
 
 
@@ -153,7 +156,8 @@ def _exec_user(cfg: dict, status_fd: int) -> None:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)  # from root to a non-zero uid: all capabilities are dropped here
-        _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+        if sys.platform.startswith("linux"):  # setuid binaries can't give the program privileges back
+            _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
         os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
     except BaseException as e:  # noqa: BLE001 - report anything, then die without running user code
         os.write(status_fd, f"setup-error {type(e).__name__}: {e}\n".encode())
@@ -163,7 +167,7 @@ def _exec_user(cfg: dict, status_fd: int) -> None:
 def _init(cfg: dict, status_fd: int) -> None:
     """PID 1 of the sandbox: build the jail, run the program, reap, report how it ended."""
     try:
-        _build_jail(cfg["jail_root"], cfg["work"], cfg["python_dirs"])
+        _build_jail(cfg["jail_root"], cfg["work"], cfg["python_dirs"], (cfg["prelude"], cfg["jail_prelude"]))
     except BaseException as e:  # noqa: BLE001
         os.write(status_fd, f"setup-error {type(e).__name__}: {e}\n".encode())
         os._exit(125)

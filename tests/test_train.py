@@ -11,7 +11,11 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from aflow_rl.trainer.engine import clean_dist_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Other tests set up a process group in this interpreter; train.py must start its own.
+ENV = clean_dist_env()
 
 # DESIGN.md's metric tags that every swarm run must write.
 REQUIRED_TAGS = [
@@ -35,7 +39,7 @@ def scalars(run_dir):
 
 def test_smoke_run_writes_events_checkpoint_trace_and_config(tmp_path, tiny_model_dir):
     run_dir = str(tmp_path / "run")
-    proc = subprocess.run(train_cmd(run_dir, tiny_model_dir), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(train_cmd(run_dir, tiny_model_dir), cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
     acc = scalars(run_dir)
@@ -68,7 +72,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
     args = train_cmd(run_dir, tiny_model_dir, "trainer.max_steps=3", "trainer.save_every=1")
     # Run until the step-2 checkpoint is complete, then kill the whole process tree.
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=ENV)
     marker = os.path.join(run_dir, "checkpoints", "step_2", "COMPLETE")
     deadline = time.monotonic() + 600
     while not os.path.exists(marker):
@@ -79,7 +83,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
     proc.wait()
     assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step_3"))
 
-    again = subprocess.run(args + ["resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(args + ["resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
     assert "resumed from" in again.stdout and "at step 2" in again.stdout
 
@@ -97,7 +101,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
     (["configs/test.yaml", "rollout.workers=two"], "rollout.workers: expected int, got 'two'"),
 ])
 def test_bad_config_is_one_line_error(args, message):
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"config error: {message}"), lines
@@ -111,7 +115,7 @@ def test_unreachable_external_server_is_a_clear_error(tmp_path, tiny_model_dir):
         port = s.getsockname()[1]
     proc = subprocess.run(train_cmd(str(tmp_path / "run"), tiny_model_dir, "serving.policy.backend=external",
                                     f"serving.policy.urls=[http://127.0.0.1:{port}]"),
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ServerError") and f"127.0.0.1:{port}" in last

@@ -112,7 +112,9 @@ def bench_iteration_split(args) -> dict:
            f"run.dir={run_dir}", f"serving.policy.model_path={model_dir}", f"trainer.max_steps={args.run_steps}",
            f"trainer.save_every={args.run_steps}"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    from aflow_rl.trainer.engine import clean_dist_env
+
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=clean_dist_env())
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"train.py failed:\n{proc.stderr[-3000:]}")

@@ -94,6 +94,15 @@ def setup_distributed(timeout_s: float = 1800.0) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_dist_env(env: dict | None = None) -> dict:
+    """A copy of ``env`` (default: os.environ) without the rendezvous variables, for launching a
+    separate training process from one that already set up (or is) a process group."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if k not in DIST_ENV}
+
+
 def teardown_distributed() -> None:
     """Destroy the process group if one exists (end of train.py, end of a test)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -12,7 +12,8 @@
   math ``problem, solution`` (answer in ``\\boxed{}``); humaneval ``prompt,
   entry_point, test`` (``check(candidate)``), ``canonical_solution``; mbpp
   ``prompt, entry_point, test`` (``check()``), ``code``, ``test_imports``;
-  hotpotqa ``question, answer, context`` ([[title, [sentences]], ...]); drop
+  hotpotqa ``question, answer, context`` ([[title, [sentences]], ...], or
+  Hugging Face's {"title", "sentences"}); drop
   ``context`` (passage and question), ``ref_text`` (answers joined by ``|``).
 
 Every problem becomes a ``Problem``: ``question`` is exactly the text AFlow
@@ -174,8 +175,12 @@ def _from_row(kind: str, row: dict, index: int) -> Problem:
         reference = row.get("canonical_solution") if kind == "humaneval" else row.get("code")
         return Problem(pid, kind, str(row["prompt"]), str(reference or ""), meta)
     if kind == "hotpotqa":
-        paragraphs = [item[1] for item in row.get("context") or [] if isinstance(item, (list, tuple))
-                      and len(item) > 1 and isinstance(item[1], list)]
+        ctx = row.get("context") or []
+        if isinstance(ctx, dict):  # the Hugging Face layout: {"title": [...], "sentences": [[...], ...]}
+            paragraphs = list(ctx.get("sentences") or [])
+        else:  # AFlow's: [[title, [sentences]], ...]
+            paragraphs = [item[1] for item in ctx if isinstance(item, (list, tuple)) and len(item) > 1
+                          and isinstance(item[1], list)]
         context = "\n".join(" ".join(str(s) for s in p) for p in paragraphs)
         question = f"Context: {context}\n\nQuestion: {row['question']}\n\nAnswer:"
         return Problem(pid, kind, question, str(row["answer"]), {"raw_question": str(row["question"])})

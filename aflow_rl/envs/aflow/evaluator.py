@@ -22,6 +22,7 @@ from typing import Any, Callable
 from aflow_rl.envs.aflow.graph import (DEFAULT_MAX_LOOP_ROUNDS, DEFAULT_MAX_NODES, DEFAULT_MAX_SAMPLES, PROBLEM,
                                        Workflow, execution_order, validate, workflow_hash)
 from aflow_rl.envs.aflow.operators import OpContext, Value, run_node
+from aflow_rl.envs.aflow.scoring import score
 from aflow_rl.llm.base import LLMClient
 
 # USD per million tokens (input, output): list prices, an estimate for comparing workflows, not a bill.
@@ -125,27 +126,20 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     return exc
 
 
-def _default_scorer() -> Callable[[Any, str], float]:
-    from aflow_rl.envs.aflow.scoring import score  # the datasets' rules; imported when first needed
-
-    return score
-
-
 async def evaluate(workflow: Workflow, problems: list, *, executor: LLMClient, concurrency: int = 8,
                    problem_timeout_s: float = 60.0, max_tokens: int = 512,
-                   scorer: Callable[[Any, str], float] | None = None,
+                   scorer: Callable[[Any, str], float] = score,
                    max_nodes: int = DEFAULT_MAX_NODES, max_samples: int = DEFAULT_MAX_SAMPLES,
                    max_loop_rounds: int = DEFAULT_MAX_LOOP_ROUNDS, code_timeout_s: float = 10.0,
                    sandbox: Callable[..., Any] | None = None,
                    price: tuple[float, float] | None = None) -> EvalResult:
     """Score ``workflow`` on ``problems`` (``datasets.Problem``s) with the executor.
 
-    ``scorer(problem, prediction) -> float`` defaults to ``scoring.score`` and runs in a
-    thread (code scorers block on the sandbox). ``price`` is (input, output) USD per
+    ``scorer(problem, prediction) -> float`` (AFlow's rule for the problem's kind by
+    default) runs in a thread: code scorers block on the sandbox. ``price`` is (input, output) USD per
     million tokens; None looks the executor's model up in ``PRICES_PER_MTOK``.
     Raises WorkflowError, before any execution, when the workflow is invalid."""
     validate(workflow, max_nodes=max_nodes, max_samples=max_samples, max_loop_rounds=max_loop_rounds)
-    scorer = scorer or _default_scorer()
     gate = asyncio.Semaphore(max(1, int(concurrency)))
     t0 = time.monotonic()
 

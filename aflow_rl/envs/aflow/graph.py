@@ -42,6 +42,7 @@ DEFAULT_MAX_LOOP_ROUNDS = 3    # env.aflow.max_loop_rounds: cap on max_rounds, m
 MAX_INPUTS = 8                 # inputs of one node (ensembles are capped by max_samples as well)
 MAX_INSTRUCTION_CHARS = 2000   # an instruction is a prompt fragment, not a document
 SCHEMA_INSTRUCTION_CHARS = 400  # shorter in the proposal schema: the policy's token budget is small
+CODE_KINDS = ("code", "humaneval", "mbpp")  # AFlow's question type "code" and the code datasets' kinds
 _ID_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
 _SCHEMA_ID_PATTERN = "^[a-z][a-z0-9_]{0,11}$"
 
@@ -460,8 +461,8 @@ def workflow_hash(workflow: Workflow) -> str:
 
 def default_workflow(kind: str = "") -> Workflow:
     """AFlow's round-1 workflow: one generation node with an empty instruction
-    (``CustomCodeGenerate`` for code problems, ``Custom`` otherwise)."""
-    op = "CustomCodeGenerate" if kind == "code" else "Custom"
+    (``CustomCodeGenerate`` for code problems, i.e. ``kind`` in CODE_KINDS; ``Custom`` otherwise)."""
+    op = "CustomCodeGenerate" if kind in CODE_KINDS else "Custom"
     return Workflow(nodes=[Node(id="answer", op=op, params={"instruction": ""}, inputs=[PROBLEM])],
                     output="answer", name="default")
 

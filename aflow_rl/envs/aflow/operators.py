@@ -22,7 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Union
 
-from aflow_rl.envs.aflow.graph import OPERATORS, PROBLEM, Node
+from aflow_rl.envs.aflow.graph import CODE_KINDS, OPERATORS, PROBLEM, Node
+from aflow_rl.envs.aflow.scoring import check_script
 from aflow_rl.llm.base import LLMClient
 
 SAMPLE_TEMPERATURE = 0.8   # k > 1 samples need diversity, or the ensemble sees k copies
@@ -111,7 +112,7 @@ class OpContext:
 
     @property
     def is_code(self) -> bool:
-        return getattr(self.problem, "kind", "") == "code" or "entry_point" in self.metadata
+        return getattr(self.problem, "kind", "") in CODE_KINDS or "entry_point" in self.metadata
 
     @property
     def entry_point(self) -> str:
@@ -317,30 +318,23 @@ async def md_ensemble(ctx: OpContext, node: Node, args: list, temperature: float
 # ---------------------------------------------------------------------------
 
 
-def problem_tests(ctx: OpContext) -> str | None:
-    """Test code for a code problem: its public tests when the dataset has them (AFlow's setting),
-    else its own test code; None for problems without tests."""
-    md = ctx.metadata
-    tests = md.get("public_tests") or md.get("test")
-    if isinstance(tests, list):
-        tests = "\n".join(str(t) for t in tests)
-    return str(tests) if tests else None
-
-
-def _test_script(solution: str, tests: str, entry_point: str) -> str:
-    call = f"\n\ncheck({entry_point})\n" if entry_point and re.search(r"def\s+check\s*\(", tests) else "\n"
-    return f"{solution}\n\n{tests}{call}"
+def has_tests(ctx: OpContext) -> bool:
+    """Code problems (HumanEval, MBPP) carry their test code and entry point in the metadata."""
+    return bool(ctx.metadata.get("test")) and bool(ctx.entry_point)
 
 
 async def test(ctx: OpContext, node: Node, args: list, temperature: float) -> str:
     """Test: run the problem's tests on the solution; on failure ask for a fix (at most ``max_fixes``)
-    and test again. Returns the last solution. Problems without tests pass the solution through."""
-    solution = extract_code(_text(args[0][1]), ctx.entry_point)
-    tests = problem_tests(ctx)
-    if tests is None:
+    and test again. Returns the last solution. Problems without tests pass the solution through.
+
+    AFlow runs HumanEval's public tests here; the datasets carry one test suite per
+    problem, so this runs that suite (``scoring.check_script``)."""
+    if not has_tests(ctx):
         return _text(args[0][1])
+    solution = extract_code(_text(args[0][1]), ctx.entry_point)
     for _ in range(node.param("max_fixes")):
-        result = await ctx.run_code(_test_script(solution, tests, ctx.entry_point))
+        # the scorer's own test script, so passing here means passing there
+        result = await ctx.run_code(check_script(ctx.problem, solution))
         if result.ok:
             return solution
         why = "timed out" if result.timed_out else (result.stderr or result.error or f"exit code {result.exit_code}")
@@ -352,13 +346,13 @@ async def test(ctx: OpContext, node: Node, args: list, temperature: float) -> st
     return solution
 
 
+# How each dataset kind (datasets.KINDS) wants its answer written; its scorer reads that form.
 _FORMAT_HINTS = {
     "math": "as a LaTeX expression inside \\boxed{}",
-    "numeric": "as a single number",
     "gsm8k": "as a single number",
-    "qa": "as a short phrase of a few words",
     "hotpotqa": "as a short phrase of a few words",
     "drop": "as a short phrase or number",
+    "rg": "exactly in the form the problem asks for",
 }
 
 

@@ -561,7 +561,8 @@ class Optimizer:
                 fh.write(best.workflow)
         exported = self.pool.export(os.path.join(self.dir, "experience.jsonl"))
         rejected = len({e["round"] for e in self.results if e.get("status") == "rejected"})
-        summary = {"rounds": self.completed_rounds, "accepted": len(tree), "rejected": rejected,
+        errors = len({e["round"] for e in self.results if e.get("status") == "error"})
+        summary = {"rounds": self.completed_rounds, "accepted": len(tree), "rejected": rejected, "errors": errors,
                    "best_round": best.round if best else None, "best_score": best.score if best else None,
                    "best_hash": best.hash if best else None, "converged": converged, "experience": exported,
                    "total_cost": float(sum(e.get("total_cost") or 0.0 for e in self.results))}

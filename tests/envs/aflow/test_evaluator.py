@@ -208,8 +208,9 @@ def test_review_revise_loop_is_bounded(verdicts, max_rounds, revisions, reviews,
     assert result.per_problem[0].prediction == out and result.per_problem[0].calls == 1 + reviews + revisions
 
 
-CODE_PROBLEM = Problem("add", 'def add(a, b):\n    """Return a + b."""\n', kind="code",
-                       metadata={"entry_point": "add",
+ADD_PROMPT = 'def add(a, b):\n    """Return a + b."""\n'
+CODE_PROBLEM = Problem("add", ADD_PROMPT, kind="humaneval",
+                       metadata={"entry_point": "add", "prompt": ADD_PROMPT,
                                  "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"})
 
 
@@ -388,10 +389,10 @@ def test_worker_evaluate_task_valid_and_invalid():
     llm = ScriptedExecutor(lambda p: "<answer>42</answer>")
     ctx = _ctx(["env.name=aflow", "env.aflow.max_nodes=2"])
     ctx.state.update(actor_client=llm, aflow_ready=True)
-    problems = [{"id": "p1", "question": "6*7?", "answer": "42", "kind": "qa", "metadata": {}}]
+    problems = [{"id": "p1", "question": "6*7?", "answer": "42", "kind": "gsm8k", "metadata": {}}]
     workflow = {"output": "a", "nodes": [{"id": "a", "op": "AnswerGenerate", "inputs": [], "params": {}}]}
     reply = asyncio.run(aflow_worker.evaluate_task({"workflow": workflow, "problems": problems}, ctx))
-    assert reply["valid"] and len(reply["per_problem"]) == 1 and reply["cost"]["tokens_in"] > 0
+    assert reply["valid"] and reply["score"] == 1.0 and reply["cost"]["tokens_in"] > 0  # scored by gsm8k's rule
     too_big = {"output": "c", "nodes": [{"id": n, "op": "Custom", "inputs": [], "params": {}} for n in "abc"]}
     calls = len(llm.prompts)
     reply = asyncio.run(aflow_worker.evaluate_task({"workflow": too_big, "problems": problems}, ctx))
@@ -400,42 +401,48 @@ def test_worker_evaluate_task_valid_and_invalid():
     assert not reply["valid"] and "'output'" in reply["error"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("aflow_rl.serving.manager") is None, reason="needs ServerManager")
+@pytest.mark.skipif(not HAS_DATASETS or importlib.util.find_spec("aflow_rl.serving.manager") is None,
+                    reason="needs the datasets and ServerManager")
 def test_three_operators_end_to_end_on_the_embedded_server(tiny_model_dir, tmp_path):
-    """AnswerGenerate -> Review -> Revise, and CustomCodeGenerate -> Test -> Format (sandbox and fix request),
-    with the tiny random model: scores ~0, the machinery is under test."""
+    """Through the worker, with the tiny random model and the datasets' scorers: AnswerGenerate -> Review ->
+    Revise on GSM8K-style problems, and CustomCodeGenerate -> Test -> Format on a HumanEval problem (sandbox,
+    fix request). Scores are ~0; the machinery is under test."""
+    from dataclasses import asdict
+
+    from aflow_rl.envs.aflow.datasets import load_dataset
     from aflow_rl.serving.manager import ServerManager
     from workers import aflow_worker
 
     overrides = ["env.name=aflow", "serving.policy.backend=none", "serving.actor.backend=embedded",
                  f"serving.actor.model_path={tiny_model_dir}", f"run.dir={tmp_path}",
                  "env.aflow.executor_max_tokens=12", "env.aflow.problem_timeout_s=60"]
-    problems = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i), kind="numeric") for i in range(3)]
-    workflow = review_revise(2)
-    code_workflow = Workflow(nodes=[Node("c", "CustomCodeGenerate", {"instruction": "Write it."}, []),
-                                    Node("t", "Test", {"max_fixes": 1}, ["c"]), Node("f", "Format", {}, ["t"])],
-                             output="f")
+    math = [{"id": f"p{i}", "kind": "gsm8k", "question": f"What is {i} + {i}?", "answer": str(2 * i),
+             "metadata": {}} for i in range(3)]
+    text_task = {"workflow": review_revise(2).to_dict(), "problems": math}
+    code_task = {"workflow": {"output": "f", "nodes": [
+        {"id": "c", "op": "CustomCodeGenerate", "inputs": [], "params": {"instruction": "Write it."}},
+        {"id": "t", "op": "Test", "inputs": ["c"], "params": {"max_fixes": 1}},
+        {"id": "f", "op": "Format", "inputs": ["t"], "params": {}}]},
+        "problems": [asdict(p) for p in load_dataset("humaneval", num_problems=1)]}
     with ServerManager(_ctx(overrides).config.serving, str(tmp_path), roles=("actor",)) as servers:
         ctx = _ctx(overrides, servers.all_urls(), str(tmp_path))
         aflow_worker.init_worker(ctx)
-        a = ctx.config.env.aflow
 
         async def run():
             try:
-                kw = dict(executor=ctx.state["actor_client"], concurrency=a.eval_concurrency,
-                          problem_timeout_s=a.problem_timeout_s, max_tokens=a.executor_max_tokens, scorer=exact)
-                return await asyncio.gather(evaluate(workflow, problems, **kw),
-                                            evaluate(code_workflow, [CODE_PROBLEM], **kw))
+                return await asyncio.gather(aflow_worker.evaluate_task(text_task, ctx),
+                                            aflow_worker.evaluate_task(code_task, ctx))
             finally:
                 await ctx.state["actor_client"].aclose()
 
-        result, code_result = asyncio.run(run())
-    assert [r.id for r in result.per_problem] == ["p0", "p1", "p2"]
-    for r in result.per_problem:
-        assert not r.error, r.error
-        assert 2 <= r.calls <= 1 + 2 + 2 * 2 and r.tokens_in > 0 and r.tokens_out > 0 and r.seconds > 0
-    assert 0.0 <= result.score <= 1.0 and len(result.failures) == 3 - round(3 * result.score)
-    assert result.cost.tokens_in > 0 and result.cost.tokens_out > 0 and result.cost.usd > 0
-    (code,) = code_result.per_problem
-    if HAS_SANDBOX:  # random code fails its test once, one fix is requested; Format needs no model call
-        assert not code.error and code.calls == 2 and code.code_runs == 1, code
+        text, code = asyncio.run(run())
+    assert text["valid"] and code["valid"]
+    assert [r["id"] for r in text["per_problem"]] == ["p0", "p1", "p2"]
+    for r in text["per_problem"]:
+        assert not r["error"], r["error"]
+        assert 2 <= r["calls"] <= 1 + 2 + 2 * 2 and r["tokens_in"] > 0 and r["tokens_out"] > 0 and r["seconds"] > 0
+    assert 0.0 <= text["score"] <= 1.0 and len(text["failures"]) == 3 - round(3 * text["score"])
+    assert text["cost"]["tokens_in"] > 0 and text["cost"]["tokens_out"] > 0 and text["cost"]["usd"] > 0
+    (r,) = code["per_problem"]  # random code fails its tests once, one fix is requested; Format needs no call
+    assert not r["error"] and r["calls"] == 2 and r["code_runs"] == 1 and code["score"] == 0.0, r
+    assert code["failures"][0]["expected"] == code_task["problems"][0]["answer"]

@@ -69,6 +69,8 @@ def test_keys_replace_or_ignore(tmp_path):
     pool.add(_rec(key=None))
     pool.add(_rec(key=None))                                          # no key: always a new record
     assert pool.count() == 4
+    assert pool.remove("search/3") == 1 and pool.remove("search/3") == 0
+    assert pool.get("search/3") is None and pool.count() == 3
 
 
 def test_queries_by_parent_score_and_q_statistics(tmp_path):

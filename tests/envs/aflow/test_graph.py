@@ -216,6 +216,14 @@ def test_schema_compiles_and_accepts_valid_workflows():
                              "output": "a"}, small)
 
 
+def test_default_workflow_is_aflows_round_one():
+    for kind, op in [("", "Custom"), ("math", "Custom"), ("code", "CustomCodeGenerate"),
+                     ("humaneval", "CustomCodeGenerate"), ("mbpp", "CustomCodeGenerate")]:
+        w = default_workflow(kind)
+        assert [n.op for n in w.nodes] == [op] and w.nodes[0].params == {"instruction": ""}
+        validate(w, max_nodes=1)
+
+
 def test_execution_order_skips_dead_nodes():
     w = wf(("a", "Custom", {}, []), ("dead", "Custom", {}, []), ("r", "Review", {}, ["a"]),
            ("v", "Revise", {}, ["a", "r"]), output="v")

@@ -295,6 +295,17 @@ def test_resume_drops_the_record_of_an_unfinished_round(tmp_path):
     assert pool.parent_stats("x").visits == 0
 
 
+def test_search_cli_help_and_config_errors(capsys):
+    from aflow_rl.envs.aflow.search import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0 and "python -m aflow_rl.envs.aflow.search" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main([os.path.join(ROOT, "configs", "aflow.yaml"), "env.aflow.selection=greedy"])
+    assert "env.aflow.selection" in str(exc.value.code)
+
+
 def test_describe_change():
     parent = default_workflow()
     child = Workflow(nodes=[Node("answer", "Custom", params={"instruction": "Think.", "samples": 3}),
