@@ -115,7 +115,7 @@ class WorkflowState:
     parent_yaml: str
     children: list[dict] = field(default_factory=list)   # modification, accepted, child_score, improvement, reason
     failures: list[dict] = field(default_factory=list)   # question, prediction, expected, error
-    kind: str = ""                                       # the problems' kind (code | math | qa | ...)
+    kind: str = ""                                       # AFlow's question type (math | code | qa | reasoning)
     max_nodes: int = 8
     compact: bool = False                                # no operator docs, shorter excerpts (small contexts)
     operators: str = field(default_factory=operator_docs)
