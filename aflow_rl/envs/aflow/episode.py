@@ -79,9 +79,9 @@ def make_tasks(cfg: Any, n: int, seed: int) -> list[dict]:
         parents = [TreeNode(hash=workflow_hash(root), round=1, score=float("nan"), workflow=root.to_yaml())] * n
     else:
         selector = TreeSelector(pool, mode=a.selection, prior_weight=a.prior_weight, top_k=a.top_k,
-                                q_prior_count=a.q_prior_count)
-        rng = np.random.default_rng(seed)
-        parents = [selector.select(tree, rng) for _ in range(n)]
+                                q_prior_count=a.q_prior_count, c_puct=a.c_puct)
+        # All n parents are chosen before any episode runs: select_many spreads them (virtual visits).
+        parents = selector.select_many(tree, n, np.random.default_rng(seed))
     pool.close()
     return [{"task_id": f"aflow/{seed}/{i}", "seed": int(seed) * 1000 + i, "parent_hash": p.hash,
              "parent_round": p.round, "parent_score": None if np.isnan(p.score) else p.score,

@@ -44,7 +44,6 @@ MAX_INSTRUCTION_CHARS = 2000   # an instruction is a prompt fragment, not a docu
 SCHEMA_INSTRUCTION_CHARS = 400  # shorter in the proposal schema: the policy's token budget is small
 CODE_KINDS = ("code", "humaneval", "mbpp")  # AFlow's question type "code" and the code datasets' kinds
 _ID_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
-_SCHEMA_ID_PATTERN = "^[a-z][a-z0-9_]{0,11}$"
 
 # Value kinds flowing along edges: one text, k candidate texts, or a review verdict.
 TEXT, CANDIDATES, REVIEW = "text", "candidates", "review"
@@ -461,10 +460,13 @@ def workflow_hash(workflow: Workflow) -> str:
 
 def default_workflow(kind: str = "") -> Workflow:
     """AFlow's round-1 workflow: one generation node with an empty instruction
-    (``CustomCodeGenerate`` for code problems, i.e. ``kind`` in CODE_KINDS; ``Custom`` otherwise)."""
+    (``CustomCodeGenerate`` for code problems, i.e. ``kind`` in CODE_KINDS; ``Custom`` otherwise).
+
+    Its node is ``n1``, the first id of the proposal grammar (``workflow_schema``),
+    so a proposal can keep it and add to it."""
     op = "CustomCodeGenerate" if kind in CODE_KINDS else "Custom"
-    return Workflow(nodes=[Node(id="answer", op=op, params={"instruction": ""}, inputs=[PROBLEM])],
-                    output="answer", name="default")
+    return Workflow(nodes=[Node(id="n1", op=op, params={"instruction": ""}, inputs=[PROBLEM])],
+                    output="n1", name="default")
 
 
 # ---------------------------------------------------------------------------
@@ -472,40 +474,90 @@ def default_workflow(kind: str = "") -> Workflow:
 # ---------------------------------------------------------------------------
 
 
+def _param_schema(p: ParamSpec, caps: dict[str, int]) -> dict:
+    if p.type is str:
+        return {"type": "string", "maxLength": SCHEMA_INSTRUCTION_CHARS}
+    prop: dict[str, Any] = {"type": "integer" if p.type is int else "number"}
+    if p.low is not None:
+        prop["minimum"] = p.low
+    high = caps[p.cap] if p.cap else p.high
+    if high is not None:
+        prop["maximum"] = high
+    return prop
+
+
+def _node_variants(spec: OpSpec, position: int, caps: dict[str, int]) -> list[tuple[dict, bool]]:
+    """The grammar shapes of ``spec`` as the node at 1-based ``position``, each with whether it may be the output.
+
+    The node's id is ``n<position>``; its inputs are ids of earlier positions
+    (and ``problem`` for a generator: only generators have a use for the raw
+    problem text), within the operator's arity, an ensemble's capped at
+    ``max_samples``. The output shape of a generator has no ``samples`` (k > 1
+    candidates are not an answer) and a Review has none (a critique is not
+    one either). [] when the operator cannot stand at ``position`` (a
+    non-generator at position 1 has nothing to read; Revise needs two
+    earlier nodes)."""
+    earlier = [f"n{j}" for j in range(1, position)]
+    sources = [PROBLEM] + earlier if spec.generator else earlier
+    high = min(spec.max_inputs, len(sources))
+    if spec.ensemble:
+        high = min(high, caps["samples"])
+    if spec.min_inputs > high or not sources:
+        return []
+    inputs = {"type": "array", "items": {"enum": sources}, "minItems": spec.min_inputs, "maxItems": high}
+    params = {n: _param_schema(p, caps) for n, p in spec.params.items()}
+
+    def shape(props: dict) -> dict:
+        return {"type": "object",
+                "properties": {"id": {"const": f"n{position}"}, "op": {"const": spec.name}, "inputs": inputs,
+                               "params": {"type": "object", "properties": props, "additionalProperties": False}},
+                "required": list(_NODE_KEYS), "additionalProperties": False}
+
+    if spec.generator:
+        single = {n: p for n, p in params.items() if n != "samples"}
+        return [(shape(params), False), (shape(single), True)]
+    return [(shape(params), spec.produces != REVIEW)]
+
+
 def workflow_schema(max_nodes: int = DEFAULT_MAX_NODES, max_samples: int = DEFAULT_MAX_SAMPLES,
                     max_loop_rounds: int = DEFAULT_MAX_LOOP_ROUNDS) -> dict:
-    """JSON schema of a proposal, compact enough for grammar-constrained decoding by a small policy.
+    """JSON schema of a proposal: a workflow in topological order whose last node is the output.
 
-    It bounds shapes and numbers; the graph rules (inputs exist, no cycle,
-    Revise reads its Review) are ``validate``'s, so a schema-valid proposal can
-    still be rejected (and penalised)."""
+    The grammar is tight so that what a small policy samples under it is
+    nearly always a valid workflow (a rejected proposal only teaches "that
+    was not a graph"):
+
+    - a proposal of L nodes (1 <= L <= ``max_nodes``: one ``anyOf`` branch
+      per L) lists nodes ``n1 .. nL`` in that order, and ``output`` is ``nL``;
+    - each position is one operator's shape (``anyOf`` over the operators,
+      ``op`` a constant) with its own params only, their types and bounds
+      (k <= ``max_samples``, loop bounds <= ``max_loop_rounds``);
+    - the node at position i reads ``n1 .. n(i-1)`` (generators also
+      ``problem``) within its operator's arity, so every input exists and
+      there is no cycle; the last node is not a Review and yields one answer.
+
+    The value-type rules that depend on what an earlier node is (k > 1
+    candidates only into an ensemble, an ensemble's 2..max_samples
+    candidates, Revise reading the Review of its own solution) cannot be
+    said by a context-free choice per position without enumerating the
+    kinds of all earlier nodes; they, and everything about workflows not
+    written under this schema, stay ``validate``'s, the final judge. The
+    result is a pure function of the three limits, built in a fixed order,
+    so its ``json.dumps`` (the grammar stored in each Turn) is one string per
+    config."""
     caps = {"samples": max_samples, "rounds": max_loop_rounds}
-    params: dict[str, dict] = {}
-    for spec in OPERATORS.values():
-        for name, p in spec.params.items():
-            if name in params:
-                continue
-            if p.type is str:
-                params[name] = {"type": "string", "maxLength": SCHEMA_INSTRUCTION_CHARS}
-            else:
-                prop: dict[str, Any] = {"type": "integer" if p.type is int else "number"}
-                if p.low is not None:
-                    prop["minimum"] = p.low
-                high = caps[p.cap] if p.cap else p.high
-                if high is not None:
-                    prop["maximum"] = high
-                params[name] = prop
-    node = {"type": "object",
-            "properties": {"id": {"type": "string", "pattern": _SCHEMA_ID_PATTERN},
-                           "op": {"enum": list(OPERATORS)},
-                           "inputs": {"type": "array", "items": {"type": "string", "pattern": _SCHEMA_ID_PATTERN},
-                                      "maxItems": max_samples},
-                           "params": {"type": "object", "properties": params, "additionalProperties": False}},
-            "required": list(_NODE_KEYS), "additionalProperties": False}
-    return {"type": "object",
-            "properties": {"nodes": {"type": "array", "items": node, "minItems": 1, "maxItems": max_nodes},
-                           "output": {"type": "string", "pattern": _SCHEMA_ID_PATTERN}},
-            "required": ["nodes", "output"], "additionalProperties": False}
+    defs: dict[str, dict] = {}
+    for i in range(1, max_nodes + 1):
+        variants = [v for spec in OPERATORS.values() for v in _node_variants(spec, i, caps)]
+        defs[f"n{i}"] = {"anyOf": [s for s, _ in variants]}
+        defs[f"n{i}_out"] = {"anyOf": [s for s, can_output in variants if can_output]}
+    branches = []
+    for length in range(1, max_nodes + 1):
+        items = [{"$ref": f"#/$defs/n{i}"} for i in range(1, length)] + [{"$ref": f"#/$defs/n{length}_out"}]
+        nodes = {"type": "array", "prefixItems": items, "items": False, "minItems": length, "maxItems": length}
+        branches.append({"type": "object", "properties": {"nodes": nodes, "output": {"const": f"n{length}"}},
+                         "required": ["nodes", "output"], "additionalProperties": False})
+    return {"anyOf": branches, "$defs": defs}
 
 
 WORKFLOW_SCHEMA = workflow_schema()

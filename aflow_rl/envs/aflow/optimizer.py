@@ -3,9 +3,10 @@
 One round (AFlow, Zhang et al. 2024, Alg. 1; MetaGPT ``Optimizer._optimize_graph``):
 
 1. round 1 evaluates the initial workflow on the validation split;
-2. select a parent among the top-k rounds (``selection: aflow`` draws from
-   AFlow's soft-mixed prior; ``mcts`` mixes it with the experience pool's
-   Q-values, see ``mcts.py``);
+2. select the parent: ``selection: aflow`` draws it from AFlow's soft-mixed
+   prior over the top-k rounds; ``mcts`` descends the tree from round 1 by
+   PUCT over that prior and the experience pool's backed-up Q-values (see
+   ``mcts.py``);
 3. build the ``WorkflowState`` the optimizer sees: the parent's YAML and
    score, what its earlier children changed and how they scored (from the
    shared experience pool; AFlow's "experience"), and a few of its failed
@@ -95,9 +96,10 @@ SYSTEM_PROMPT = (
     "answer. Make ONE focused modification to the given workflow (add, remove or rewire a node, or change its "
     "parameters or instruction), for example an ensemble of several answers, a review-then-revise step, "
     "a programmatic check, or a sharper instruction. Learn from what was already tried and from the failed "
-    "problems. The graph must stay valid (inputs exist, no cycles) with at most {max_nodes} nodes. Reply with "
-    "the complete modified workflow as JSON: {{\"nodes\": [{{\"id\", \"op\", \"inputs\", \"params\"}}], "
-    "\"output\": <node id>}}.")
+    "problems. The graph must stay valid with at most {max_nodes} nodes. Reply with the complete modified "
+    "workflow as JSON: {{\"nodes\": [{{\"id\", \"op\", \"inputs\", \"params\"}}], \"output\": <node id>}}, "
+    "nodes n1, n2, ... in order, each reading the problem or earlier nodes, the last one the output; "
+    "a node with samples > 1 feeds only ScEnsemble or MdEnsemble, and Revise reads [solution, Review of it].")
 
 
 def _clip(text: Any, n: int = _TEXT_CHARS) -> str:
@@ -423,7 +425,8 @@ class Optimizer:
         os.makedirs(os.path.join(directory, "workflows"), exist_ok=True)
         self.pool = pool or SharedExperiencePool(os.path.join(directory, POOL_FILENAME))
         self.selector = TreeSelector(self.pool, mode=cfg.selection, prior_weight=cfg.prior_weight,
-                                     top_k=cfg.top_k, q_prior_count=cfg.q_prior_count, value_fn=value_fn)
+                                     top_k=cfg.top_k, q_prior_count=cfg.q_prior_count, c_puct=cfg.c_puct,
+                                     value_fn=value_fn)
         self.log = log or (lambda msg: print(msg, flush=True))
         self.results_path = os.path.join(directory, RESULTS_FILENAME)
         self.results = load_results(self.results_path)

@@ -201,19 +201,93 @@ def test_parse_workflow_garbage_raises_only_workflow_error():
             pass
 
 
+def positional(w: Workflow) -> Workflow:
+    """``w`` as the proposal grammar writes it: nodes renamed n1..nL in execution order, the output last."""
+    order = execution_order(w)
+    names = {n.id: f"n{i}" for i, n in enumerate(order, start=1)}
+    nodes = [Node(names[n.id], n.op, dict(n.params), [names.get(i, i) for i in n.inputs]) for n in order]
+    return Workflow(nodes=nodes, output=names[w.output])
+
+
 def test_schema_compiles_and_accepts_valid_workflows():
     jsonschema = pytest.importorskip("jsonschema")
     xgr = pytest.importorskip("xgrammar")
     xgr.Grammar.from_json_schema(json.dumps(WORKFLOW_SCHEMA))
     for w in VALID:
-        d = {k: v for k, v in w.to_dict().items() if k != "name"}
-        jsonschema.validate(d, WORKFLOW_SCHEMA)
-    assert set(WORKFLOW_SCHEMA["properties"]["nodes"]["items"]["properties"]["op"]["enum"]) == set(OPERATORS)
-    small = workflow_schema(max_nodes=3, max_samples=2)
-    assert small["properties"]["nodes"]["maxItems"] == 3
+        p = positional(w)
+        validate(p, max_nodes=8)
+        jsonschema.validate(p.to_dict(), WORKFLOW_SCHEMA)
+    # Free-form ids are outside the grammar (they are still fine for validate and hand-written files).
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"nodes": [{"id": "a", "op": "Custom", "inputs": [], "params": {"samples": 3}}],
-                             "output": "a"}, small)
+        jsonschema.validate({k: v for k, v in review_revise().to_dict().items() if k != "name"}, WORKFLOW_SCHEMA)
+    ops = {s["properties"]["op"]["const"] for s in WORKFLOW_SCHEMA["$defs"]["n8"]["anyOf"]}
+    assert ops == set(OPERATORS)
+    small = workflow_schema(max_nodes=3, max_samples=2)
+    assert len(small["anyOf"]) == 3 and small["anyOf"][-1]["properties"]["nodes"]["maxItems"] == 3
+
+    def bad(*nodes):
+        out = {"nodes": [{"id": f"n{i}", "op": op, "inputs": inputs, "params": params}
+                         for i, (op, inputs, params) in enumerate(nodes, start=1)], "output": f"n{len(nodes)}"}
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(out, small)
+
+    bad(("Custom", [], {"samples": 3}), ("ScEnsemble", ["n1"], {}))          # k over max_samples
+    bad(("Custom", ["n2"], {}), ("Custom", ["n1"], {}))                       # a later node: no cycles
+    bad(("Custom", [], {}), ("Review", ["n1"], {}))                           # a Review is not an answer
+    bad(("Custom", [], {"samples": 2}),)                                      # nor are k candidates
+    bad(("Custom", [], {"votes": 2}), ("ScEnsemble", ["n1"], {}))             # another operator's param
+    bad(("Review", ["problem"], {}), ("Custom", ["n1"], {}))                  # only generators read the problem
+    bad(("Custom", [], {}), ("Revise", ["n1", "n1"], {}))                     # Revise needs two earlier nodes
+    bad(("Custom", [], {}), ("Custom", ["n4"], {}))                           # ids of the enum only
+    jsonschema.validate({"nodes": [{"id": "n1", "op": "Custom", "inputs": [], "params": {"samples": 2}},
+                                   {"id": "n2", "op": "ScEnsemble", "inputs": ["n1"], "params": {}}],
+                         "output": "n2"}, small)
+
+
+def test_schema_is_deterministic_and_compiles_fast(tiny_model_dir):
+    pytest.importorskip("xgrammar")
+    import time
+
+    from aflow_rl.serving.grammar import GrammarBackend
+
+    # The trainer rebuilds grammar masks from the schema string in each Turn: one string per config.
+    assert json.dumps(workflow_schema(4, 3, 3)) == json.dumps(workflow_schema(4, 3, 3))
+    assert json.dumps(workflow_schema(4, 3, 3)) != json.dumps(workflow_schema(4, 3, 2))
+    backend = GrammarBackend.from_pretrained(tiny_model_dir)
+    t0 = time.perf_counter()
+    backend.compile({"json_schema": json.dumps(workflow_schema(8, 5, 3))})
+    assert time.perf_counter() - t0 < 5.0   # ~1 s measured on 2 CPU cores; 4, 3, 3 takes ~0.35 s
+
+
+def test_grammar_paths_are_acyclic_with_existing_inputs():
+    """Random walks through the schema (each choice uniform) always give a graph whose inputs exist and
+    that has no cycle; what validate still rejects is only the value-type rules."""
+    schema = workflow_schema(4, 3, 3)
+    rng = random.Random(0)
+    structural = ("missing input", "cycle", "unknown", "duplicate", "takes ", "bad node id", "missing output",
+                  "above", "below")
+    valid = 0
+    for _ in range(300):
+        branch = rng.choice(schema["anyOf"])
+        nodes = []
+        for ref in branch["properties"]["nodes"]["prefixItems"]:
+            shape = rng.choice(schema["$defs"][ref["$ref"].split("/")[-1]]["anyOf"])["properties"]
+            arr = shape["inputs"]
+            inputs = [rng.choice(arr["items"]["enum"]) for _ in range(rng.randint(arr["minItems"], arr["maxItems"]))]
+            params = {}
+            for name, p in shape["params"]["properties"].items():
+                if rng.random() < 0.5:
+                    params[name] = ("x" if p["type"] == "string" else
+                                    rng.randint(int(p.get("minimum", 0)), int(p.get("maximum", 3))))
+            nodes.append({"id": shape["id"]["const"], "op": shape["op"]["const"], "inputs": inputs,
+                          "params": params})
+        try:
+            validate(Workflow.from_dict({"nodes": nodes, "output": branch["properties"]["output"]["const"]}),
+                     max_nodes=4, max_samples=3, max_loop_rounds=3)
+            valid += 1
+        except WorkflowError as exc:
+            assert not any(s in p for p in exc.problems for s in structural), exc.problems
+    assert valid > 150
 
 
 def test_default_workflow_is_aflows_round_one():
