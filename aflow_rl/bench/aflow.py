@@ -2,7 +2,8 @@
 
     python -m aflow_rl.bench.aflow [--problems 32] [--workers 1 2] [--workflow review_revise|ensemble]
                                    [--max-tokens 32] [--inflight 8] [--chunk 4] [--repeats 3]
-                                   [--sandbox-calls 24] [--model-path DIR] [--json OUT]
+                                   [--sandbox-calls 24] [--sandbox-mode auto|jail|basic|jail,basic]
+                                   [--model-path DIR] [--json OUT]
 
 (a) **Workflow evaluation.** An embedded actor server (the tiny random model,
 built into a temporary directory unless ``--model-path`` holds one) serves as
@@ -18,10 +19,14 @@ started (its start-up reported, not timed) and warmed (one single-problem
 episode per worker: connections, the scorer's imports) first; then
 ``--repeats`` rounds time every worker count in turn, so a change in the
 machine's load falls on all of them alike, and a row is the median round.
+Each row also gives the CPU the server and the worker processes used per
+wall second (1.0 = one core busy), which says which of them sets the rate.
 
 (b) **Sandbox.** ``aflow_rl.sandbox.run_python`` on a small program, one call
 after another and from 2 threads (rounds interleaved the same way):
-executions per second and per-call latency p50/p90.
+executions per second, per-call latency p50/p90 and CPU per run. Where the
+machine gives the sandbox its ``jail`` (namespaces, chroot), ``basic`` runs
+beside it, so the table shows what the jail costs.
 
 The random model's text is nonsense, so scores are ~0 and Review's verdict
 is unreadable (read as pass): AnswerGenerate -> Review -> Revise makes two
@@ -30,7 +35,6 @@ executor calls per problem; the calls column says what was actually made.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import math
@@ -61,8 +65,8 @@ WORKFLOWS: dict[str, dict] = {
         {"id": "pick", "op": "ScEnsemble", "inputs": ["draft"], "params": {}},
         {"id": "final", "op": "Format", "inputs": ["pick"], "params": {}}]},
 }
-# A small program with a little work and output: what Programmer/Test runs look like, minus the model.
 SANDBOX_ENV = "AFLOW_SANDBOX"  # aflow_rl.sandbox's switch: basic | jail (unset: probe)
+# A small program with a little work and output: what Programmer/Test runs look like, minus the model.
 SANDBOX_CODE = "import math\nprint(sum(math.isqrt(i) for i in range(20000)))\n"
 
 EVAL_COLUMNS = [  # (key, header, format)
@@ -405,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m aflow_rl.bench.aflow", description=__doc__.split("\n\n")[0])
     ap.add_argument("--problems", type=int, default=32, help=f"problems from {DATASET}, the same for every row")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker process counts, one row each")
-    ap.add_argument("--workflow", choices=sorted(WORKFLOWS), default="review_revise", help="the three-operator workflow")
+    ap.add_argument("--workflow", choices=sorted(WORKFLOWS), default="review_revise",
+                    help="the three-operator workflow")
     ap.add_argument("--max-tokens", type=int, default=32, help="executor tokens per operator call")
     ap.add_argument("--inflight", type=int, default=8, help="problems evaluated at once, over all workers")
     ap.add_argument("--chunk", type=int, default=4, help="problems per episode (one evaluate_task call)")
