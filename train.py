@@ -59,6 +59,7 @@ def preflight(cfg: Config) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     preflight(cfg)
+    make_tasks = _task_source(cfg.rollout.worker)
 
     # Heavy imports after argument parsing, so --help and config errors are instant.
     import torch
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"resumed from {resume_from} at step {state.step}", flush=True)
 
         # ---- rank 0: the environment's task source, the worker pool, the weight-sync client ------
-        worker_module = importlib.import_module(cfg.rollout.worker.split(":")[0])
-        sampler = TaskSampler(worker_module.make_tasks, cfg, cfg.run.seed, num_tasks=cfg.rollout.num_tasks)
+        sampler = TaskSampler(make_tasks, cfg, cfg.run.seed, num_tasks=cfg.rollout.num_tasks)
         if state.sampler:
             sampler.load_state_dict(state.sampler)
         grammar = GrammarBackend.from_pretrained(policy_path) if main_rank else None
@@ -209,6 +209,21 @@ def main(argv: list[str] | None = None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _task_source(worker: str):
+    """The worker module's ``make_tasks(cfg, n, seed)``: the environment that runs the
+    episodes also says what its tasks are."""
+    module_name = worker.split(":")[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"rollout.worker: cannot import {module_name} ({exc}); worker modules must be "
+                          f"installed or on sys.path (pip install -e .)") from None
+    if not callable(getattr(module, "make_tasks", None)):
+        raise ConfigError(f"rollout.worker: {module_name} has no make_tasks(cfg, n, seed) function to "
+                          "draw training tasks from")
+    return module.make_tasks
+
+
 def _sync(engine, tokenizer, client, run_dir, version, cfg) -> float:
     """Export the weights, compute the probe logprobs (both collective under ZeRO-3, so every
     rank calls this), then rank 0 (``client`` not None) pushes them and verifies the servers."""
@@ -296,7 +311,7 @@ def cli() -> None:
     except (ConfigError, ServerError, PoolError, WeightSyncError, LLMError) as exc:
         if os.environ.get("AFLOW_RL_TRACEBACK"):
             raise
-        sys.exit(f"error: {type(exc).__name__}: {exc}")
+        sys.exit(f"config error: {exc}" if isinstance(exc, ConfigError) else f"error: {type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":

@@ -164,7 +164,8 @@ class NodeStats:
     @property
     def own(self) -> QStats:
         """The "expand v" option's statistics: n_v and w_v/n_v."""
-        return QStats(visits=self.own_visits, mean_improvement=self.own_sum / self.own_visits if self.own_visits else 0.0)
+        mean = self.own_sum / self.own_visits if self.own_visits else 0.0
+        return QStats(visits=self.own_visits, mean_improvement=mean)
 
 
 def backup(tree: SearchTree, own: Mapping[str, QStats], pending: Mapping[str, int] | None = None,
@@ -191,7 +192,9 @@ def backup(tree: SearchTree, own: Mapping[str, QStats], pending: Mapping[str, in
 
 
 def shrunk_q(stats: Any, value: float = 0.0, prior_count: float = 1.0) -> float:
-    """``Q̃ = (N·Q̄ + n0·V) / (N + n0)``; V when N + n0 = 0. ``stats``: anything with ``visits`` and ``mean_improvement``."""
+    """``Q̃ = (N·Q̄ + n0·V) / (N + n0)``; V when N + n0 = 0.
+
+    ``stats``: anything with ``visits`` and ``mean_improvement`` (``QStats``, ``NodeStats``)."""
     denom = stats.visits + prior_count
     if denom <= 0:
         return float(value)

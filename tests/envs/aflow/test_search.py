@@ -201,7 +201,8 @@ def test_duplicate_of_an_earlier_round_is_rejected(tmp_path):
         return first["child"]
 
     script = {1: remember, 2: lambda s: first["child"]}
-    asyncio.run(_optimizer(tmp_path, _cfg(max_rounds=3, top_k=1, selection="aflow"), proposer=FakeProposer(script)).run())
+    cfg = _cfg(max_rounds=3, top_k=1, selection="aflow")
+    asyncio.run(_optimizer(tmp_path, cfg, proposer=FakeProposer(script)).run())
     results = load_results(str(tmp_path / "results.json"))
     assert results[2]["status"] == "rejected" and results[2]["reason"] == "duplicate: the same workflow as round 2"
 
@@ -308,12 +309,12 @@ def test_search_cli_help_and_config_errors(capsys):
 
 def test_describe_change():
     parent = default_workflow()
-    child = Workflow(nodes=[Node("answer", "Custom", params={"instruction": "Think.", "samples": 3}),
-                            Node("vote", "ScEnsemble", inputs=["answer"])], output="vote")
+    child = Workflow(nodes=[Node("n1", "Custom", params={"instruction": "Think.", "samples": 3}),
+                            Node("n2", "ScEnsemble", inputs=["n1"])], output="n2")
     text = describe_change(parent, child)
-    assert text.startswith("add vote (ScEnsemble <- answer)")
-    assert "answer.instruction: '' -> 'Think.'" in text and "answer.samples: 1 -> 3" in text
-    assert "output: answer -> vote" in text
+    assert text.startswith("add n2 (ScEnsemble <- n1)")
+    assert "n1.instruction: '' -> 'Think.'" in text and "n1.samples: 1 -> 3" in text
+    assert "output: n1 -> n2" in text
     assert describe_change(parent, parent) == "no change"
 
 
