@@ -353,6 +353,11 @@ def train_step(engine: Any, turns: Sequence[Turn], advantages: Sequence[float] |
     lrs: list[float] = []
     for _ in range(ppo_epochs):
         for i, mb in enumerate(batches):
+            # The optimizer-step boundary follows this batch, not DeepSpeed's running micro-step
+            # counter: train.py resizes the accumulation to each rollout batch, and a counter
+            # carried over from earlier batches would step mid-batch (the rest of the batch then
+            # trains on moved weights, and its gradients leak into the next batch).
+            engine.set_gradient_accumulation_boundary((i + 1) % gas == 0)
             logp, entropy = sequence_logprobs(engine, mb, temperature, entropy_grad=algo.entropy_coef != 0)
             old_logp = logp.detach() if on_policy else old_logps[i]
             is_weight = (truncated_is_weight(old_logp, mb.server_logprobs, algo.importance_cap)

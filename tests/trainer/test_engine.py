@@ -138,3 +138,30 @@ def test_tiny_policy_learns_constrained_choice(dist_info, tiny_model_dir):
         assert stats["perf/logprob_mismatch"] < 1e-4                    # same weights, same formula
     assert float(choice_probs()[target]) >= 0.9
     assert np.mean(success[-3:]) >= 0.8 and np.mean(success[:3]) < 0.5
+
+
+def _on_policy_turns(engine, n, seed):
+    """Turns whose 'server' logprobs are the engine's own: an exact sync, so mismatch must be ~0."""
+    from aflow_rl.trainer.batch import make_micro_batches, sequence_logprobs
+
+    turns = make_turns(n, seed=seed)
+    with torch.no_grad():
+        for t in turns:
+            mb = make_micro_batches([t], [0.0], micro_batch_size=1)[0]
+            t.logprobs = sequence_logprobs(engine.module, mb, 1.0)[0][0, :len(t.response_ids)].numpy()
+    return turns
+
+
+def test_batch_size_changing_between_calls_steps_once_per_batch(dist_info, tiny_model_dir):
+    # train.py resizes DeepSpeed's accumulation to every rollout batch. Batches of 3, then 5,
+    # then 2 micro-batches: each call must make exactly one optimizer step at its own end, so
+    # every micro-batch trains on the weights the server sampled with (mismatch ~0).
+    tc = TrainerConfig(lr=1e-2, micro_batch_size=2, max_steps=10)
+    engine = build_engine(tiny_model_dir, tc)
+    for call, n in enumerate((6, 10, 4)):
+        turns = _on_policy_turns(engine, n, seed=call)
+        engine.set_train_batch_size(2 * math.ceil(n / 2))
+        steps_before = engine.global_steps
+        stats = train_step(engine, turns, np.linspace(-1, 1, n), algo=AlgoConfig())
+        assert engine.global_steps == steps_before + 1, f"call {call}: optimizer stepped mid-batch"
+        assert stats["perf/logprob_mismatch"] < 1e-5, (call, stats["perf/logprob_mismatch"])
