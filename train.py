@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     preflight(cfg)
     make_tasks = _task_source(cfg.rollout.worker)
+    if _already_done(cfg):
+        return
 
     # Heavy imports after argument parsing, so --help and config errors are instant.
     import torch
@@ -207,6 +209,18 @@ def main(argv: list[str] | None = None) -> None:
 # ---------------------------------------------------------------------------------------------
 # Small pieces of the loop, kept out of main() so that main() reads as the iteration.
 # ---------------------------------------------------------------------------------------------
+
+
+def _already_done(cfg: Config) -> bool:
+    """True (and says so) when resume finds a checkpoint at trainer.max_steps: nothing to start."""
+    from aflow_rl.trainer.checkpoint import read_trainer_state, resolve_resume
+
+    path = resolve_resume(cfg.resume, cfg.run_dir)
+    if path is None or read_trainer_state(path).step < cfg.trainer.max_steps:
+        return False
+    print(f"{cfg.run_dir} is complete ({path}, trainer.max_steps={cfg.trainer.max_steps}); to train further "
+          "raise trainer.max_steps, or start over with resume=never or another run.dir")
+    return True
 
 
 def _task_source(worker: str):

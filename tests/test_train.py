@@ -94,6 +94,11 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
     # The resumed run's episodes continue the numbering: step 2 (0-based) written once, by the second run.
     assert os.path.exists(os.path.join(run_dir, "episodes", "step_000002.jsonl"))
 
+    # A third run of the finished config starts nothing and says how to continue.
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+    assert done.returncode == 0 and "is complete" in done.stdout and "trainer.max_steps=3" in done.stdout
+    assert "resumed from" not in done.stdout   # no engine, server or pool was started to do nothing
+
 
 @pytest.mark.parametrize("args,message", [
     (["configs/test.yaml", "trainer.lrr=1"], "unknown config key 'trainer.lrr': did you mean 'trainer.lr'?"),
