@@ -22,6 +22,7 @@ launcher's own ``("exited", reason)`` serves while there is no socket yet.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import os
@@ -87,7 +88,7 @@ class Switchboard:
             pass
 
 
-class Slot:
+class Slot(abc.ABC):
     """One place episodes run. The pool owns the bookkeeping fields; subclasses start and stop."""
 
     kind = "slot"
@@ -121,11 +122,13 @@ class Slot:
     def ready(self, info: dict, conn: Any) -> None:
         self.state, self.pid = READY, info.get("pid")
 
+    @abc.abstractmethod
     def _launch(self) -> None:
-        raise NotImplementedError
+        """Start the worker of this generation (a process, a dask task, a thread, or nothing)."""
 
+    @abc.abstractmethod
     def send(self, msg: Any) -> None:
-        raise NotImplementedError
+        """Deliver one message (episodes, stop) to the worker."""
 
     def stop(self) -> None:
         """Ask politely (the serve loop returns); see ``kill`` for the other kind."""

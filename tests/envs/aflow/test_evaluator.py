@@ -4,7 +4,6 @@ import asyncio
 import importlib.util
 import inspect
 import re
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -12,20 +11,10 @@ from aflow_rl.envs.aflow.evaluator import PRICES_PER_MTOK, evaluate, price_for
 from aflow_rl.envs.aflow.graph import Node, Workflow
 from aflow_rl.envs.aflow.operators import OpContext, Review, extract_code, majority, run_node
 from aflow_rl.llm.base import Completion
+from tests.envs.aflow.fakes import Problem
 
 HAS_SANDBOX = importlib.util.find_spec("aflow_rl.sandbox") is not None
 HAS_DATASETS = importlib.util.find_spec("aflow_rl.envs.aflow.datasets") is not None
-
-
-@dataclass
-class Problem:
-    """Stand-in with the fields of ``datasets.Problem``."""
-
-    id: str
-    question: str
-    answer: str = ""
-    kind: str = "qa"
-    metadata: dict = field(default_factory=dict)
 
 
 class ScriptedExecutor:

@@ -2,22 +2,13 @@
 import asyncio
 import json
 import random
-from dataclasses import dataclass, field
 
 import pytest
 
 from aflow_rl.envs.aflow.graph import (OPERATORS, WORKFLOW_SCHEMA, Node, Workflow, WorkflowError, default_workflow,
                                        execution_order, parse_workflow, validate, workflow_hash, workflow_schema)
 from aflow_rl.llm.base import Completion
-
-
-@dataclass
-class Problem:
-    id: str
-    question: str
-    answer: str = ""
-    kind: str = "qa"
-    metadata: dict = field(default_factory=dict)
+from tests.envs.aflow.fakes import Problem
 
 
 class CountingLLM:
