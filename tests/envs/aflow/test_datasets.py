@@ -8,7 +8,7 @@ import pytest
 
 from aflow_rl.envs.aflow.datasets import Problem, load_dataset, split
 from aflow_rl.envs.aflow.math_equiv import extract_boxed, math_equal
-from aflow_rl.envs.aflow.scoring import drop_f1, f1, score, check_script
+from aflow_rl.envs.aflow.scoring import drop_f1, f1, judge_parts, score
 
 
 def _jsonl(tmp_path, name, rows):
@@ -190,7 +190,10 @@ def test_humaneval_prompt_helpers_available_and_demo_code_skipped(humaneval):
     solution = ("def decode_cyclic(s: str):\n    return encode_cyclic(encode_cyclic(s))\n\n"
                 "if __name__ == '__main__':\n    print(decode_cyclic(input()))\n")
     assert score(p, solution) == 1.0
-    assert "check(decode_cyclic)" in check_script(p, solution)
+    parts = judge_parts(p, solution)
+    assert parts["call"] == "candidate" and parts["entry_point"] == "decode_cyclic"
+    assert "def encode_cyclic" in parts["setup"] and "def check" in parts["tests"]
+    assert "def check" not in parts["solution"]  # the candidate's process never holds the tests
 
 
 def test_humaneval_infinite_loop_is_a_failure(humaneval):

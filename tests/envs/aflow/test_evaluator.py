@@ -61,9 +61,9 @@ REVIEW, REVISE, SC, MD, FIX, PROGRAM, FORMAT, ANSWER = (
     "`solve()`", "State the final answer", "<answer></answer>")
 
 
-def run_op(op, params, args, llm, problem=None, sandbox=None):
+def run_op(op, params, args, llm, problem=None, sandbox=None, tester=None):
     ctx = OpContext(executor=llm, problem=problem or Problem("p", "What is 6*7?", "42"), max_tokens=64,
-                    sandbox=sandbox)
+                    sandbox=sandbox, tester=tester)
     value = asyncio.run(run_node(ctx, Node("n", op, params, [a[0] for a in args]), args))
     return value, ctx
 
@@ -216,7 +216,7 @@ def fixer(fixed_on: int):
     return ScriptedExecutor(respond), state
 
 
-def fake_sandbox(code, *, timeout_s=10, memory_mb=512, stdin=None):
+def fake_tester(problem, code, *, timeout_s=10):
     from types import SimpleNamespace
 
     ok = "return a + b" in code
@@ -232,14 +232,14 @@ def fake_sandbox(code, *, timeout_s=10, memory_mb=512, stdin=None):
 def test_test_then_fix(fixed_on, max_fixes, fixes, runs, passes):
     llm, state = fixer(fixed_on)
     wrong = "def add(a, b):\n    return a - b"
-    value, ctx = run_op("Test", {"max_fixes": max_fixes}, [("c", wrong)], llm, CODE_PROBLEM, fake_sandbox)
+    value, ctx = run_op("Test", {"max_fixes": max_fixes}, [("c", wrong)], llm, CODE_PROBLEM, tester=fake_tester)
     assert state["fixes"] == fixes and ctx.code_runs == runs
     assert ("return a + b" in value) == passes
 
 
 def test_test_passes_non_code_problems_through():
     llm = ScriptedExecutor(lambda p: "unused")
-    value, ctx = run_op("Test", {}, [("a", "42")], llm, Problem("q", "6*7?", "42"), fake_sandbox)
+    value, ctx = run_op("Test", {}, [("a", "42")], llm, Problem("q", "6*7?", "42"), tester=fake_tester)
     assert value == "42" and not llm.prompts and ctx.code_runs == 0
 
 
