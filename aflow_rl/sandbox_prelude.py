@@ -165,8 +165,6 @@ def _sbx_encode(x, depth=0):
 def _sbx_decode(v, depth=0):
     """The plain value ``v`` stands for. Strict: every tag and field type is checked, so whatever the
     candidate sends, the tests only ever see builtin values with builtin equality."""
-    from fractions import Fraction
-
     if depth > 200:
         raise ValueError("value nested too deeply")
     d = depth + 1
@@ -188,6 +186,8 @@ def _sbx_decode(v, depth=0):
     if tag == "f":
         return float(field(0, str))
     if tag == "q":
+        from fractions import Fraction  # here, not above: importing it costs more than most checks
+
         return Fraction(int(field(0, str)), int(field(1, str)))
     if tag == "c":
         return complex(float(field(0, str)), float(field(1, str)))
