@@ -9,8 +9,11 @@
   profile: UCB1 over the arms single / parallel-{small, medium, large}, one
   bandit per context (suite, size bucket), rewarded with
   ``item_f1 - bandit_latency_coef * critical_steps``.
+- ``SpawnHack`` is an adversary, not a baseline to beat: it spawns the most
+  subagents it may every turn and never lets a subtask run, the "meaningless
+  spawning" that PARL's r_finish exists to make unprofitable.
 
-All three read only the observation's structured view (never the gold
+All four read only the observation's structured view (never the gold
 answers) and are deterministic given the task and the episode's seed; the
 bandit's choices also depend on the episodes it has seen in this process.
 """
@@ -137,6 +140,37 @@ class Heuristic:
         if failed and not retried and v["max_steps"] - v["step"] >= 3:
             return rule_decision(obs, Action("replan", scope="failed"))
         return _finish(obs, results)
+
+
+class SpawnHack:
+    """Adversarial baseline: PARL's "meaningless spawning" hack of r_parallel (never a real orchestrator).
+
+    Every turn it spawns as many subagents as the concurrency cap allows,
+    handing them the task's items (``queue_items``) or nothing, and it never
+    joins, so no subtask ever runs; it never finishes either, and the episode
+    ends when a budget runs out (its queued subtasks are then cancelled). It
+    collects the whole instantiation reward, r_parallel = 1, and nothing else:
+    no subtask is done (r_finish = 0) and no answer is found (r_perf = 0). The
+    shaped reward must rank it below the heuristic at every lambda and below
+    the single agent once lambda is 0 (tests/envs/swarm/test_reward_hack.py).
+    """
+
+    name = "spawn_hack"
+
+    def __init__(self, queue_items: bool = True, profile: str = "small"):
+        self.queue_items, self.profile = queue_items, profile
+
+    def begin_episode(self, task: dict) -> None:
+        pass
+
+    def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
+        pass
+
+    async def act(self, obs: Observation) -> Decision:
+        v = obs.view
+        ids = tuple(it["id"] for it in topological_order(v["items"])) if self.queue_items else ()
+        return rule_decision(obs, Action("spawn", n=max(1, int(v["max_concurrent"])), profile=self.profile,
+                                         subtasks=ids))
 
 
 ARMS = ("single", "parallel-small", "parallel-medium", "parallel-large")
