@@ -70,6 +70,16 @@ def _mkdirs(path: str) -> None:
     os.makedirs(path, mode=0o755, exist_ok=True)
 
 
+def _bind_python_dirs(root: str, dirs: list[str], bound: list[str]) -> None:
+    """Bind each of the interpreter's dirs read-only at the same path, unless one bound already covers it."""
+    for real in dirs:
+        if not os.path.isdir(real) or any(real == b or real.startswith(b + "/") for b in bound):
+            continue
+        _mkdirs(root + real)
+        _bind(real, root + real)
+        bound.append(real)
+
+
 def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str, str],
                 hidden: list[str] = ()) -> None:
     """Read-only chroot at ``root``: userland, Python, the prelude, /dev nodes, /proc; ``work`` writable
@@ -86,18 +96,10 @@ def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str
             _mkdirs(root + d)
             _bind(d, root + d)
             bound.append(d)
-    for d in python_dirs:
-        real = os.path.realpath(d)
-        if not os.path.isdir(real) or any(real == b or real.startswith(b + "/") for b in bound):
-            continue
-        _mkdirs(root + real)
-        _bind(real, root + real)
-        bound.append(real)
-    for h in hidden:
-        if os.path.isdir(root + h):
-            _mount("tmpfs", root + h, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0555")
-        elif os.path.isfile(root + h):
-            _mount("/dev/null", root + h, None, MS_BIND)
+    # An interpreter under /tmp (a venv made there) is bound after the work dir takes /tmp, on top of it.
+    under_tmp = lambda p: p == "/tmp" or p.startswith("/tmp/")  # noqa: E731
+    python_real = [os.path.realpath(d) for d in python_dirs]
+    _bind_python_dirs(root, [d for d in python_real if not under_tmp(d)], bound)
     _mkdirs(root + "/etc")
     for f in ETC_FILES:
         if os.path.isfile(f):
@@ -118,6 +120,12 @@ def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str
     _bind(prelude[0], root + prelude[1])
     _mkdirs(root + "/tmp")
     _bind(work, root + "/tmp", readonly=False)
+    _bind_python_dirs(root, [d for d in python_real if under_tmp(d)], bound)
+    for h in hidden:
+        if os.path.isdir(root + h):
+            _mount("tmpfs", root + h, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0555")
+        elif os.path.isfile(root + h):
+            _mount("/dev/null", root + h, None, MS_BIND)
     # Freeze the skeleton: writes anywhere but /tmp now fail with EROFS.
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chroot(root)

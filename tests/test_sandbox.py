@@ -52,6 +52,25 @@ def test_jail_is_used_where_it_can_be(monkeypatch):
     assert sandbox.isolation() == "jail"
 
 
+def test_jail_works_for_an_interpreter_under_tmp(jail, tmp_path):
+    """The jail mounts its work dir at /tmp; an interpreter living under /tmp (a venv made there) must
+    still be visible inside, not silently demoted to basic isolation."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    assert str(venv).startswith("/tmp/")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    code = ("from aflow_rl import sandbox\n"
+            "r = sandbox.run_python('import sys; print(sys.executable)')\n"
+            "print(sandbox.isolation(), r.ok, r.stdout.strip())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    env.pop("AFLOW_SANDBOX", None)
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["jail", "True", str(venv / "bin" / "python")], out.stderr[-2000:]
+
+
 def test_ok_program_reads_stdin_writes_stdout(mode):
     r = run_python("import sys\nname = sys.stdin.read().strip()\nprint(f'hello {name}')\nprint(sum(range(10)))",
                    stdin="world\n")
