@@ -8,7 +8,7 @@
   scored by its own ``score_answer``;
 * ``<kind>:<path.jsonl>``: a file in AFlow's format, kind one of
   gsm8k | math | humaneval | mbpp | hotpotqa | drop. The fields read per kind are
-  AFlow's: gsm8k ``question, answer`` (the reference is the text after
+  AFlow's: gsm8k ``question, answer`` (the reference is the number after
   ``####``, kept as written: ``0.00005`` stays ``0.00005``, ``1,234`` stays ``1,234``);
   math ``problem, solution`` (answer in ``\\boxed{}``); humaneval ``prompt,
   entry_point, test`` (``check(candidate)``), ``canonical_solution``; mbpp
@@ -158,13 +158,13 @@ def _row_id(kind: str, row: dict, index: int) -> str:
 
 
 def gsm8k_reference(solution: str) -> str:
-    """The reference answer of a GSM8K solution as written: the text after the last ``####``, else the
-    answer number's text (``numbers.answer_number``; "" without one). Kept as a string: a float would
-    turn 0.00005 into "5e-05"."""
-    if "####" in solution:
-        return solution.rsplit("####", 1)[1].strip()
+    """The reference answer of a GSM8K solution as written: the text of its answer number
+    (``numbers.answer_number``: the first number after the last ``####``), else what follows ``####``
+    ("" without either). Kept as a string: a float would turn 0.00005 into "5e-05"."""
     number = answer_number(solution)
-    return number.text if number else ""
+    if number is not None:
+        return number.text
+    return solution.rsplit("####", 1)[1].strip() if "####" in solution else ""
 
 
 def _from_row(kind: str, row: dict, index: int) -> Problem:

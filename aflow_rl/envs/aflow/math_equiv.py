@@ -243,7 +243,9 @@ class _Parser:
                 n = self.expr()
                 self.take("]")
                 return ("pow", self.group(), ("div", ("num", 1.0), n))
-            return ("fn", val, self.power() if self.peek() != ("op", "{") else self.group())
+            if self.peek() in (("op", "{"), ("op", "(")):  # sin(x)^2 is (sin x)^2; \sin x^2 is sin(x^2)
+                return ("fn", val, self.group() if self.peek() == ("op", "{") else self.atom())
+            return ("fn", val, self.power())
         if val in ("(", "[", "{"):
             items = [self.expr()]
             while self.peek() == ("op", ","):

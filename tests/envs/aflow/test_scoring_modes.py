@@ -102,12 +102,15 @@ def test_gsm8k_reference_kept_as_written(tmp_path):
     rows = [{"question": "q", "answer": "5 / 100000 = 0.00005\n#### 0.00005"},
             {"question": "q", "answer": "1000 + 234\n#### 1,234"},
             {"question": "q", "answer": "So the answer is 42."},   # no ####: the answer number's text
-            {"question": "q", "answer": 5e-05}]                    # a JSON number: its repr, read by the rule
+            {"question": "q", "answer": 5e-05},                    # a JSON number: its repr, read by the rule
+            {"question": "q", "answer": "#### 72 in total, 3 days"},  # the number after ####, not the last
+            {"question": "q", "answer": "#### eighteen"}]          # no number: the text after ####
     problems = load_dataset(f"gsm8k:{_jsonl(tmp_path, rows)}")
-    assert [p.answer for p in problems] == ["0.00005", "1,234", "42", "5e-05"]
+    assert [p.answer for p in problems] == ["0.00005", "1,234", "42", "5e-05", "72", "eighteen"]
     assert problems[0].metadata["solution"] == rows[0]["answer"]
     assert score(problems[0], "0.00005") == 1.0 and score(problems[3], "The answer is 0.00005") == 1.0
-    assert score(problems[1], "1234") == 1.0
+    assert score(problems[1], "1234") == 1.0 and score(problems[4], "72") == 1.0
+    assert score(problems[5], "18") == 0.0 and score(problems[5], "eighteen") == 0.0
 
 
 @pytest.mark.parametrize("pred, ref, equal", [
@@ -156,6 +159,9 @@ CASES = [
     ("gsm8k", "#### 18", "18.0000001", 1, 1),
     ("gsm8k", "#### 7", "$7.00", 1, 1),
     ("gsm8k", "The answer is eighteen.", "18", 0, 0),                     # no reference number: 0
+    ("gsm8k", "#### 1234567", "1234,567", 0, 1),                          # its pattern: any leading group
+    ("gsm8k", "#### 72 in total, 3 days", "72", 1, 0),                    # the last number of the answer: 3
+    ("gsm8k", "#### 0.75", "\\frac{3}{4}", 1, 0),
     # MATH: MATHBenchmark.extract_model_answer on both texts, math_equal (parse_digits, symbolic_equal)
     ("math", "$\\boxed{\\frac{1}{2}}$", "\\boxed{0.5}", 1, 0),            # symbolic_equal: no LaTeX parser
     ("math", "The height is $\\boxed{\\frac{\\sqrt{3}}{2}}$.", "\\boxed{\\frac{\\sqrt{3}}{2}}", 1, 0),
@@ -184,6 +190,10 @@ CASES = [
     ("math", "\\boxed{2.71828}", "\\boxed{E}", 0, 1),                     # sympy's E; N(E) within 1e-3
     ("math", "\\boxed{8}", "\\boxed{2^3}", 1, 0),                         # parse_expr: ^ is XOR
     ("math", "\\boxed{\\text{(A)}}", "\\boxed{(A)}", 1, 0),
+    ("math", "\\boxed{5}", "\\boxed{x = 5}", 1, 0),                       # parse_expr: "=" is no syntax
+    ("math", "\\boxed{7}", "The answer is $\\boxed 7$", 1, 0),            # only "\\boxed{" is a box
+    ("math", "\\boxed{0.3333}", "\\boxed{Rational(1,3)}", 0, 1),          # sympy names: N() within 1e-3
+    ("math", "\\boxed{1}", "\\boxed{sin(x)**2+cos(x)**2}", 1, 1),         # symbolic_equal: simplify
     ("math", "\\boxed{1}", "\\boxed{__import__('os').getpid() and 1}", 0, 0),
     # ^ the one departure: AFlow's parse_expr would run this (and score 1); the gate refuses it
     # HotpotQA: HotpotQABenchmark.calculate_score (token F1 of normalize_answer)
