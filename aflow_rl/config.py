@@ -177,6 +177,7 @@ class AflowConfig:
     max_samples: int = _f(5, "Complexity limit: most samples of a generator node, candidates of an ensemble, MdEnsemble votes.")
     max_loop_rounds: int = _f(3, "Complexity limit: most Revise max_rounds, Test max_fixes, Programmer attempts.")
     code_timeout_s: float = _f(10.0, "Sandbox wall-clock limit of one Programmer/Test code run.")
+    scoring: Literal["default", "aflow"] = _f("default", "Benchmark verdicts: default (complete number/LaTeX reading) | aflow (AFlow's own scorers, comparable with its published table); docs/scoring.md.")
 
 
 @dataclass

@@ -8,7 +8,8 @@
   scored by its own ``score_answer``;
 * ``<kind>:<path.jsonl>``: a file in AFlow's format, kind one of
   gsm8k | math | humaneval | mbpp | hotpotqa | drop. The fields read per kind are
-  AFlow's: gsm8k ``question, answer`` (the number after the reasoning);
+  AFlow's: gsm8k ``question, answer`` (the reference is the number after
+  ``####``, kept as written: ``0.00005`` stays ``0.00005``, ``1,234`` stays ``1,234``);
   math ``problem, solution`` (answer in ``\\boxed{}``); humaneval ``prompt,
   entry_point, test`` (``check(candidate)``), ``canonical_solution``; mbpp
   ``prompt, entry_point, test`` (``check()``), ``code``, ``test_imports``;
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aflow_rl.envs.aflow.math_equiv import extract_answer
-from aflow_rl.envs.aflow.scoring import gsm8k_number
+from aflow_rl.envs.aflow.numbers import answer_number
 
 AFLOW_KINDS = ("gsm8k", "math", "humaneval", "mbpp", "hotpotqa", "drop")
 KINDS = AFLOW_KINDS + ("rg",)
@@ -156,13 +157,22 @@ def _row_id(kind: str, row: dict, index: int) -> str:
     return f"{kind}/{index}"
 
 
+def gsm8k_reference(solution: str) -> str:
+    """The reference answer of a GSM8K solution as written: the text of its answer number
+    (``numbers.answer_number``: the first number after the last ``####``), else what follows ``####``
+    ("" without either). Kept as a string: a float would turn 0.00005 into "5e-05"."""
+    number = answer_number(solution)
+    if number is not None:
+        return number.text
+    return solution.rsplit("####", 1)[1].strip() if "####" in solution else ""
+
+
 def _from_row(kind: str, row: dict, index: int) -> Problem:
     """An AFlow-format row as a Problem (question as AFlow phrases it, answer as its scorer compares)."""
     pid = _row_id(kind, row, index)
     if kind == "gsm8k":
-        number = gsm8k_number(str(row["answer"]))
-        answer = "" if number is None else str(int(number)) if number.is_integer() else repr(number)
-        return Problem(pid, kind, str(row["question"]), answer, {"solution": str(row["answer"])})
+        return Problem(pid, kind, str(row["question"]), gsm8k_reference(str(row["answer"])),
+                       {"solution": str(row["answer"])})
     if kind == "math":
         meta = {"solution": str(row["solution"])}
         meta.update({k: row[k] for k in ("level", "type") if k in row})

@@ -15,6 +15,7 @@ as AFlow's cost tracking counts every executor call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -22,7 +23,7 @@ from typing import Any, Callable
 from aflow_rl.envs.aflow.graph import (DEFAULT_MAX_LOOP_ROUNDS, DEFAULT_MAX_NODES, DEFAULT_MAX_SAMPLES, PROBLEM,
                                        Workflow, execution_order, validate, workflow_hash)
 from aflow_rl.envs.aflow.operators import OpContext, Value, run_node
-from aflow_rl.envs.aflow.scoring import score
+from aflow_rl.envs.aflow.scoring import MODES as SCORING_MODES, score
 from aflow_rl.llm.base import LLMClient
 
 # USD per million tokens (input, output): list prices, an estimate for comparing workflows, not a bill.
@@ -128,18 +129,23 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
 
 async def evaluate(workflow: Workflow, problems: list, *, executor: LLMClient, concurrency: int = 8,
                    problem_timeout_s: float = 60.0, max_tokens: int = 512,
-                   scorer: Callable[[Any, str], float] = score,
+                   scorer: Callable[[Any, str], float] | None = None, scoring_mode: str = "default",
                    max_nodes: int = DEFAULT_MAX_NODES, max_samples: int = DEFAULT_MAX_SAMPLES,
                    max_loop_rounds: int = DEFAULT_MAX_LOOP_ROUNDS, code_timeout_s: float = 10.0,
                    sandbox: Callable[..., Any] | None = None,
                    price: tuple[float, float] | None = None) -> EvalResult:
     """Score ``workflow`` on ``problems`` (``datasets.Problem``s) with the executor.
 
-    ``scorer(problem, prediction) -> float`` (AFlow's rule for the problem's kind by
-    default) runs in a thread: code scorers block on the sandbox. ``price`` is (input, output) USD per
-    million tokens; None looks the executor's model up in ``PRICES_PER_MTOK``.
-    Raises WorkflowError, before any execution, when the workflow is invalid."""
+    ``scorer(problem, prediction) -> float`` (None: ``scoring.score`` in ``scoring_mode``, default or
+    aflow, env.aflow.scoring) runs in a thread: code scorers block on the sandbox. ``price`` is (input,
+    output) USD per million tokens; None looks the executor's model up in ``PRICES_PER_MTOK``.
+    Raises WorkflowError, before any execution, when the workflow is invalid, and ValueError for an
+    unknown scoring mode."""
     validate(workflow, max_nodes=max_nodes, max_samples=max_samples, max_loop_rounds=max_loop_rounds)
+    if scorer is None:
+        if scoring_mode not in SCORING_MODES:
+            raise ValueError(f"unknown scoring mode {scoring_mode!r}: use one of {', '.join(SCORING_MODES)}")
+        scorer = functools.partial(score, mode=scoring_mode)
     gate = asyncio.Semaphore(max(1, int(concurrency)))
     t0 = time.monotonic()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from decimal import Decimal
 from typing import Any
 
 # AFlow's numeric tolerance for MATH answers (math.isclose(..., abs_tol=1e-3)).
@@ -67,12 +68,14 @@ def extract_answer(text: str) -> str:
 # Spacing commands, but not the "\\\\ " of a matrix row break.
 _SPACING = re.compile(r"(?<!\\)\\(?:[,;:! ]|qquad|quad|displaystyle)|~")
 _UNIT_TAIL = re.compile(r"^(.+?)\s*\\(?:text|textbf|mbox|mathrm)\{[^{}]*\}$", re.S)
+_SCIENTIFIC = re.compile(r"-?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d{1,3}")  # a whole answer only: "2e-1+x" keeps e
+_PERCENT_END = re.compile(r"%[\s$]*$")
 _TEXT_WRAP = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}")
 
 
 def normalize(answer: str) -> str:
     """Canonical string of a MATH answer; equal strings are equal answers."""
-    s = str(answer).strip()
+    s = str(answer).strip().replace("\u2212", "-")
     s = s.strip("$").strip()
     s = _SPACING.sub(" ", s)
     s = re.sub(r"\\left\b|\\right\b", "", s)
@@ -92,6 +95,8 @@ def normalize(answer: str) -> str:
         s = s.split("=", 1)[1]                                   # "x=5"     -> "5"
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")                                   # 1,000     -> 1000
+    if _SCIENTIFIC.fullmatch(s):
+        s = format(Decimal(s), "f")                              # 1e3 -> 1000, 5e-05 -> 0.00005
     if re.fullmatch(r"-?\d*\.\d+", s):
         s = s.rstrip("0").rstrip(".") or "0"                     # 5.50 -> 5.5, 5.0 -> 5
         s = re.sub(r"^(-?)\.", r"\g<1>0.", s)                   # .5 -> 0.5
@@ -124,6 +129,8 @@ def _tokenize(s: str) -> list[tuple[str, Any]]:
             raise _ParseError(f"unexpected {s[pos:pos + 10]!r}")
         num, cmd, word, letter, op = m.groups()
         if num is not None:
+            if math.isinf(float(num)):  # 400 digits are no answer; as inf they would equal each other
+                raise _ParseError("number too large")
             tokens.append(("num", float(num)))
         elif cmd is not None or word is not None:
             name = cmd or word
@@ -236,7 +243,9 @@ class _Parser:
                 n = self.expr()
                 self.take("]")
                 return ("pow", self.group(), ("div", ("num", 1.0), n))
-            return ("fn", val, self.power() if self.peek() != ("op", "{") else self.group())
+            if self.peek() in (("op", "{"), ("op", "(")):  # sin(x)^2 is (sin x)^2; \sin x^2 is sin(x^2)
+                return ("fn", val, self.group() if self.peek() == ("op", "{") else self.atom())
+            return ("fn", val, self.power())
         if val in ("(", "[", "{"):
             items = [self.expr()]
             while self.peek() == ("op", ","):
@@ -355,8 +364,20 @@ def _trees_equal(a, b) -> bool:
 
 
 def math_equal(prediction: str, reference: str) -> bool:
-    """Are two extracted MATH answers equal (normalised strings, else numerically)?"""
+    """Are two extracted MATH answers equal (normalised strings, else numerically)?
+
+    Percent signs follow ``numbers``' rule: normalising drops them, and a
+    reference written ``p%`` is also matched by ``p/100`` when the prediction
+    has no percent sign."""
     p, r = normalize(prediction), normalize(reference)
+    if _normalized_equal(p, r):
+        return True
+    if _PERCENT_END.search(str(reference)) and not _PERCENT_END.search(str(prediction)):
+        return _normalized_equal(p, f"\\frac{{{r}}}{{100}}")
+    return False
+
+
+def _normalized_equal(p: str, r: str) -> bool:
     if p == r:
         return bool(p)
     try:

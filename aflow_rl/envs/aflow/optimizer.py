@@ -591,6 +591,7 @@ def make_evaluate(cfg: Any, executor: Any, problems: list) -> EvaluateFn:
         return await evaluate(workflow, problems, executor=executor, concurrency=cfg.eval_concurrency,
                               problem_timeout_s=cfg.problem_timeout_s, max_tokens=cfg.executor_max_tokens,
                               max_nodes=cfg.max_nodes, max_samples=cfg.max_samples,
-                              max_loop_rounds=cfg.max_loop_rounds, code_timeout_s=cfg.code_timeout_s)
+                              max_loop_rounds=cfg.max_loop_rounds, code_timeout_s=cfg.code_timeout_s,
+                              scoring_mode=cfg.scoring)
 
     return run

@@ -1,20 +1,38 @@
-"""AFlow's scorers: ``score(problem, prediction) -> float`` in [0, 1], dispatched on ``problem.kind``.
+"""Benchmark scorers: ``score(problem, prediction, mode) -> float`` in [0, 1], dispatched on ``problem.kind``.
 
-* gsm8k: the last number in the prediction equals the reference number
-  (``abs diff <= 1e-6``);
-* math: the last ``\\boxed{}`` (else last sentence) of the prediction is
-  equal to the reference answer (``math_equiv.math_equal``);
-* hotpotqa: SQuAD-style token F1 (lowercase, no punctuation, no articles);
-* drop: the best F1 over the ``|``-separated reference answers and
-  ``|``-separated parts of the prediction;
-* humaneval, mbpp: 1 if the prediction passes the problem's tests, judged by
-  ``aflow_rl.sandbox.run_judged``: the tests run in a judge process that never
-  runs the solution's code, and only a test entry point that returned normally
-  passes (an exit status of 0 is not a pass; see docs/architecture.md);
-* rg: reasoning-gym's own ``score_answer`` for the entry.
+Two modes (``env.aflow.scoring``):
 
-Model output is never executed in this process: code goes to the sandbox and
-math answers go through a parser, not ``eval``.
+* ``aflow``: AFlow's own verdicts, re-implemented from its ``benchmarks/``
+  code (``aflow_reference``), so scores compare with AFlow's published table;
+* ``default``: the same scorers, with answers read more completely:
+
+  * gsm8k: the reply's answer number (``numbers.answer_number``: the last
+    number in the last ``\\boxed{}``, else after ``####``, else the last
+    number) equals the reference under ``numbers.numbers_equal``. Numbers are
+    read by one rule, written out in ``numbers``' docstring: exact rationals,
+    so ``0.00005 == 5e-5`` and ``1e3 == 1000``; commas only as thousands
+    separators; a sign only where it cannot be a minus between two numbers;
+    ``a/b`` and ``\\frac{a}{b}`` as fractions; a percentage's meaning set by
+    the reference (``50\\%`` accepts 50 and 0.5);
+  * math: the last ``\\boxed{}`` (any nesting; else last sentence) of the
+    prediction equals the reference answer by ``math_equiv.math_equal``, a
+    parser that never evaluates model text and reads LaTeX AFlow's sympy step
+    rejects (``\\frac``, ``\\sqrt``, ``\\left(``, units, degrees...);
+  * hotpotqa: SQuAD-style token F1 (lowercase, no punctuation, no articles);
+  * drop: the best F1 over the ``|``-separated reference answers and
+    ``|``-separated parts of the prediction;
+  * humaneval, mbpp: 1 if the reply passes the problem's tests, judged by
+    ``run_tests`` (``aflow_rl.sandbox.run_judged``): the tests run in a judge
+    process that never runs the solution's code, and only a test entry point
+    that returned normally passes (an exit status of 0 is not a pass; see
+    docs/architecture.md);
+  * rg: reasoning-gym's own ``score_answer`` for the entry (both modes: AFlow
+    has no reasoning-gym scorer).
+
+``docs/scoring.md`` lists every rule where the two modes differ, each with an
+example. HotpotQA and DROP score the same in both. Model output is never
+executed in this process: code goes to the sandbox, default-mode math answers
+through a parser, and AFlow's sympy step to the sandbox behind a gate.
 """
 from __future__ import annotations
 
@@ -24,37 +42,44 @@ import string
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from aflow_rl.envs.aflow import aflow_reference
 from aflow_rl.envs.aflow.math_equiv import extract_answer, math_equal
+from aflow_rl.envs.aflow.numbers import answer_number, numbers_equal
 
 if TYPE_CHECKING:
     from aflow_rl.envs.aflow.datasets import Problem
     from aflow_rl.sandbox import SandboxResult
 
-GSM8K_TOL = 1e-6
+MODES = ("default", "aflow")
 CODE_TIMEOUT_S = 15.0  # AFlow's per-solution limit for HumanEval/MBPP checks
-
-# A number as AFlow's GSM8K scorer reads one: optional sign, thousands commas, decimals.
-_NUMBER = re.compile(r"[-+]?\d+(?:,\d{3})*(?:\.\d+)?|\d+\.\d+")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 
 
-def score(problem: "Problem", prediction: Any, *, timeout_s: float = CODE_TIMEOUT_S) -> float:
-    """The prediction's score for ``problem`` by AFlow's rule for its kind (module docstring)."""
+def score(problem: "Problem", prediction: Any, mode: str = "default", *,
+          timeout_s: float = CODE_TIMEOUT_S) -> float:
+    """The prediction's score for ``problem`` by the rule of ``mode`` for its kind (module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown scoring mode {mode!r}: use one of {', '.join(MODES)}")
     pred = "" if prediction is None else str(prediction)
     kind = problem.kind
+    if kind in ("humaneval", "mbpp"):
+        code = pred if mode == "default" else aflow_reference.code_to_run(pred, str(problem.metadata["entry_point"]))
+        return 0.0 if code is None else float(run_tests(problem, code, timeout_s=timeout_s).ok)
     if kind == "gsm8k":
-        expected, got = gsm8k_number(problem.answer), gsm8k_number(pred)
-        return float(expected is not None and got is not None and abs(expected - got) <= GSM8K_TOL)
+        if mode == "aflow":  # AFlow reads the reference from the full answer text
+            return aflow_reference.gsm8k_score(problem.metadata.get("solution", problem.answer), pred)
+        expected, got = answer_number(problem.answer), answer_number(pred)
+        return float(expected is not None and got is not None and numbers_equal(got, expected))
     if kind == "math":
+        if mode == "aflow":  # AFlow extracts the reference from the full solution, as the prediction
+            return aflow_reference.math_score(problem.metadata.get("solution", problem.answer), pred)
         return float(math_equal(extract_answer(pred), problem.answer))
     if kind == "hotpotqa":
         return f1(pred, problem.answer)
     if kind == "drop":
         return drop_f1(pred, problem.answer)
-    if kind in ("humaneval", "mbpp"):
-        return float(run_tests(problem, pred, timeout_s=timeout_s).ok)
     if kind == "rg":
         return _rg_score(problem, pred)
     raise ValueError(f"problem {problem.id!r}: no scorer for kind {kind!r}")
@@ -63,17 +88,6 @@ def score(problem: "Problem", prediction: Any, *, timeout_s: float = CODE_TIMEOU
 # ---------------------------------------------------------------------------
 # Numbers and text
 # ---------------------------------------------------------------------------
-
-
-def gsm8k_number(text: str) -> float | None:
-    """The last number in ``text`` (commas dropped), None without one."""
-    matches = _NUMBER.findall(str(text))
-    if not matches:
-        return None
-    try:
-        return float(matches[-1].replace(",", ""))
-    except ValueError:
-        return None
 
 
 def normalize_answer(text: str) -> str:

@@ -30,7 +30,7 @@ GSM8K_ROWS = [
 
 def test_gsm8k_loads_reference_number(tmp_path):
     problems = load_dataset(f"gsm8k:{_jsonl(tmp_path, 'gsm8k.jsonl', GSM8K_ROWS)}")
-    assert [p.answer for p in problems] == ["18", "1234", "2.5"]
+    assert [p.answer for p in problems] == ["18", "1,234", "2.5"]  # as written after "####" (issue 8)
     assert problems[0].question == GSM8K_ROWS[0]["question"] and problems[0].kind == "gsm8k"
     assert problems[0].id == "gsm8k/0"
 
@@ -258,7 +258,7 @@ def test_split_is_seeded_one_to_four():
 
 def test_num_problems_takes_the_first(tmp_path):
     path = _jsonl(tmp_path, "gsm8k.jsonl", GSM8K_ROWS)
-    assert [p.answer for p in load_dataset(f"gsm8k:{path}", num_problems=2)] == ["18", "1234"]
+    assert [p.answer for p in load_dataset(f"gsm8k:{path}", num_problems=2)] == ["18", "1,234"]
 
 
 @pytest.mark.parametrize("spec", ["gsm9k:data.jsonl", "humaneval_plus", "rg:", "math:", "data.jsonl", ""])
