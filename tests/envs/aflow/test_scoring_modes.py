@@ -225,6 +225,8 @@ CASES = [
     ("mbpp", "add", "def add_nums(a, b):\n    return int(re.sub('x', '', str(a + b)))", 0, 1),  # re preloaded
     ("mbpp", "add", "Sure! Here it is:\ndef add_nums(a, b):\n    return a + b\nThis adds them.", 0, 1),
     # ^ code_extract keeps the two lines that parse; the default mode runs the whole unfenced reply
+    ("mbpp", "add", "def add_nums(a, b):\n    return a + b + OFFSET\n\nOFFSET, _ = 0, 0", 1, 0),
+    # ^ fallback_sanitize_with_ast keeps assignments to plain names only: OFFSET is undefined
 ]
 
 
