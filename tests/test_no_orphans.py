@@ -93,8 +93,9 @@ def test_sigkill_of_train_py_leaves_no_process(tmp_path, tiny_model_dir):
                        for c in psutil.net_connections(kind="tcp")), f"port {port} still listening"
     finally:
         log.close()
-        for p in [psutil.Process(train.pid)] if train.poll() is None else []:
-            p.kill()
+        if train.poll() is None:
+            train.kill()
+            train.wait()
         for p in list(seen.values()) + mentions(run_dir):
             if alive(p):
                 p.kill()

@@ -38,8 +38,8 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def run_parent(child_code: str, tmp_path, popen_extra: str = "") -> tuple[subprocess.Popen, list[int]]:
-    """Start a parent process P that starts a child C running ``child_code`` (``PARENT`` is P's pid)
-    and prints the pids C reports (C prints its own pid and any it starts, one line, then sleeps)."""
+    """Start a parent process P that starts a child C running ``child_code`` (P's pid in ``sys.argv[1]``)
+    and return P with the pids C reports (C prints its own pid and any it starts, one line, then sleeps)."""
     child = tmp_path / "child.py"
     child.write_text(textwrap.dedent(child_code))
     parent = tmp_path / "parent.py"
