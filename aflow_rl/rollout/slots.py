@@ -9,7 +9,8 @@ conn)`` when a slot is up and ``("lost", reason)`` when it is gone.
 - ``LokySlot``: a loky ``ProcessPoolExecutor`` with one spawned process. One
   executor per slot, not one shared (reusable) executor, because loky marks
   a whole executor broken and terminates *all* its workers when one dies; a
-  slot of its own confines a SIGKILL to the episodes of that process.
+  slot of its own confines a SIGKILL to the episodes of that process. The
+  process dies with the pool's process (``aflow_rl.procs.die_with_parent``).
 - ``DaskSlot``: a long-running task on a ``distributed`` cluster.
 - ``ThreadSlot``: a thread in this process (threading backend).
 - ``InlineSlot``: the caller's thread, one episode at a time (sequential backend).
@@ -35,6 +36,7 @@ import urllib.parse
 from multiprocessing.connection import Listener
 from typing import Any
 
+from aflow_rl.procs import can_signal_children, die_with_parent
 from aflow_rl.rollout.runner import EpisodeRunner, WorkerStartError, get_runner, serve, serve_remote
 from aflow_rl.rollout.types import WorkerContext
 
@@ -215,7 +217,11 @@ class LokySlot(_ConnSlot):
     def _launch(self) -> None:
         from joblib.externals.loky import ProcessPoolExecutor
 
-        self.executor = ProcessPoolExecutor(max_workers=1)
+        # The initializer runs before the worker reads its first call: from then on the worker dies
+        # with this process even if it dies (kill -9) before the call is sent (loky's workers would
+        # otherwise wait on their call queue forever, and keep loky's resource trackers alive too).
+        self.executor = ProcessPoolExecutor(max_workers=1, initializer=die_with_parent,
+                                            initargs=(os.getpid(), can_signal_children()))
         self.future = self.executor.submit(serve_remote, *self._args())
         self._watch()
 

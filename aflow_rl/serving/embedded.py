@@ -629,6 +629,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     import uvicorn
 
     args = build_parser().parse_args(argv)
+    # Started by ServerManager: exit with it, however it ends (kill -9 included). A watchdog thread,
+    # because loading the model takes seconds and a dead launcher must not leave a listening orphan.
+    from aflow_rl.procs import die_with_parent_from_env
+
+    die_with_parent_from_env()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not os.path.isdir(args.model_path):
         raise SystemExit(f"--model-path {args.model_path!r} is not a directory")

@@ -22,7 +22,13 @@ after the deadline. Each server runs in its own process group, so stopping it
 (SIGTERM, then SIGKILL after ``stop_grace_s``) also ends the workers it spawned
 (SGLang's scheduler and detokenizer processes). Servers are stopped on normal
 exit, on an exception, on Ctrl-C and on SIGTERM, and by ``atexit`` as a last
-resort when the manager was started without ``with``.
+resort when the manager was started without ``with``. When the process holding
+the manager dies without any of these (``kill -9``), the servers die with it
+(``aflow_rl.procs``: a parent-death signal, and the embedded server's watchdog).
+
+A fixed ``port`` that another process already listens on (an orphan of an
+earlier run, typically) is refused before anything starts, naming that process:
+start-up would otherwise find the orphan's ``/health`` and train against it.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from aflow_rl.config import ServerConfig, ServingConfig
+from aflow_rl.procs import PARENT_PID_ENV, port_listeners, preexec_die_with_parent
 
 ROLES = ("policy", "actor")
 _POLL_S = 0.2          # how often start-up checks each process and its /health
@@ -111,6 +118,19 @@ def client_host(bind_host: str) -> str:
     return f"[{bind_host}]" if ":" in bind_host else bind_host
 
 
+def check_port_free(port: int, key: str) -> None:
+    """Refuse a fixed port that a process already listens on, naming it (``key``: the config key)."""
+    holders = port_listeners(port)
+    if not holders:
+        return
+    pid, cmd = holders[0]
+    if pid is None:
+        raise ServerError(f"{key}: port {port} is already in use by a process of another user "
+                          f"(find it with: ss -ltnp 'sport = :{port}'); stop it or choose another {key}")
+    raise ServerError(f"{key}: port {port} is already in use by process {pid} ({cmd}), perhaps an "
+                      f"orphan of an earlier run; stop it with `kill {pid}` or choose another {key}")
+
+
 def check_health(url: str, timeout_s: float = 2.0) -> str | None:
     """``None`` if ``GET url/health`` answers 200, else a short reason."""
     try:
@@ -148,13 +168,17 @@ class ServerProcess:
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")  # so the log shows a crash's last words
+        # PYTHONUNBUFFERED: the log shows a crash's last words. PARENT_PID_ENV: the embedded server
+        # watches this process and exits with it (other servers ignore it).
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{PARENT_PID_ENV: str(os.getpid())})
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.cmd)}\n".encode())
             log.flush()
             # start_new_session: its own process group, so stop() reaches its children too.
+            # preexec_fn: SIGKILL from the kernel when this process dies, even by kill -9.
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                         preexec_fn=preexec_die_with_parent())
         self.started_at = time.monotonic()
 
     @property
@@ -255,6 +279,7 @@ class ServerManager:
         if self._started:
             return self
         self._check()
+        self._check_ports()
         self._build_tiny_models()
         self._install_handlers()
         try:
@@ -343,6 +368,16 @@ class ServerManager:
                 self._urls[role] = [router.url]
             else:
                 self._urls[role] = worker_urls
+
+    def _check_ports(self) -> None:
+        """Every fixed port must be free before any server starts (see check_port_free)."""
+        for role in self.roles:
+            cfg = self._role_cfg(role)
+            if cfg.backend not in ("embedded", "sglang") or not cfg.port:
+                continue
+            count = cfg.num_servers + (1 if cfg.backend == "sglang" and cfg.router else 0)
+            for port in range(cfg.port, cfg.port + count):
+                check_port_free(port, f"serving.{role}.port")
 
     def _spawn_servers(self, role: str, cfg: ServerConfig) -> list[ServerProcess]:
         ports = [cfg.port + i for i in range(cfg.num_servers)] if cfg.port else self._free_ports(cfg.num_servers)

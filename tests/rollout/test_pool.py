@@ -267,3 +267,68 @@ def test_duplicate_episode_ids_are_refused():
     with RolloutPool(config(backend="sequential")) as pool:
         with pytest.raises(ValueError, match="duplicate episode_id"):
             list(pool.run([{"episode_id": "x"}, {"episode_id": "x"}]))
+
+
+# -- process lifetime -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("starter", ["main", "helper"])
+def test_workers_die_with_a_killed_pool_owner(starter):
+    """kill -9 of the process that owns the pool, while its workers' event loops are blocked in an
+    episode: the workers and loky's resource trackers go too. Started from the main thread, the kernel's
+    parent-death signal does it; from a helper thread (which has ended by then: the signal would have
+    fired when it did, so it is not used) the workers' watchdog does."""
+    import signal
+
+    import psutil
+
+    script = textwrap.dedent(f"""
+        import json, sys, threading, time
+        sys.path.insert(0, {ROOT!r})
+        import psutil
+        from aflow_rl.config import RolloutConfig
+        from aflow_rl.rollout.pool import RolloutPool
+        cfg = RolloutConfig(worker={ASYNC!r}, backend="loky", workers=2, concurrency_per_worker=1,
+                            episode_timeout_s=600.0, start_timeout_s=60.0)
+        pool = RolloutPool(cfg)
+        if {starter!r} == "main":
+            pool.start()
+        else:
+            t = threading.Thread(target=pool.start)
+            t.start()
+            t.join()
+        first = [s.pid for s in pool.slots]
+        time.sleep(1.0)
+        ok = [t.status for t in pool.run([{{"seed": 0}}, {{"seed": 1}}])]
+        ok += ["same workers" if [s.pid for s in pool.slots] == first else "workers were replaced"]
+        blocked = pool.run([{{"mode": "block", "seed": i}} for i in range(2)])
+        threading.Thread(target=lambda: list(blocked), daemon=True).start()
+        time.sleep(1.0)
+        print(json.dumps({{"ok": ok, "pids": [p.pid for p in psutil.Process().children(recursive=True)]}}),
+              flush=True)
+        time.sleep(600)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    line = owner.stdout.readline()
+    assert line, "the pool owner printed nothing"
+    report = json.loads(line)
+    procs = [psutil.Process(pid) for pid in report["pids"]]
+    try:
+        assert report["ok"] == ["ok", "ok", "same workers"]  # they outlived the thread that started them
+        assert len(procs) == 4  # two workers, loky's and multiprocessing's resource trackers
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 5.0
+        alive = procs
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"alive 5 s after the pool's owner was killed: {[p.cmdline() for p in alive]}"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

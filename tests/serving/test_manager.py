@@ -175,6 +175,77 @@ def test_signals_stop_the_servers(fake_embedded, tmp_path, sig):
             holder.kill()
 
 
+def test_kill_9_of_the_holder_ends_its_servers(fake_embedded, tmp_path):
+    """kill -9 runs no handler in the holder: the server (here a program that knows nothing of
+    aflow_rl) dies through the parent-death signal the manager gave it at launch."""
+    fake_embedded("ok")
+    script = tmp_path / "holder.py"
+    script.write_text(textwrap.dedent(f'''
+        import sys, time
+        from aflow_rl.config import ServerConfig, ServingConfig
+        from aflow_rl.serving import manager as mgr
+        mgr.embedded_command = lambda cfg, port: [sys.executable, {str(tmp_path / "fake_server.py")!r},
+                                                  str(port), "ok", {str(tmp_path)!r} + f"/child-{{port}}.pid"]
+        serving = ServingConfig(policy=ServerConfig(backend="embedded", model_path="/x"),
+                                actor=ServerConfig(backend="none"))
+        servers = mgr.ServerManager(serving, {str(tmp_path / "run")!r}).start()
+        print(servers.processes[0].proc.pid, flush=True)
+        time.sleep(600)
+    '''))
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    server_pid = int(holder.stdout.readline())
+    try:
+        assert pid_alive(server_pid)
+        holder.kill()
+        holder.wait(timeout=15)
+        assert wait_dead(server_pid, 5.0)
+    finally:
+        # The fake's own child has no guard of its own (SGLang's and the embedded server's do): ours to end.
+        for pid in [server_pid] + child_pids(tmp_path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_port_held_by_an_orphan_is_refused_naming_its_pid(fake_embedded, tmp_path):
+    """A fixed port another process listens on (an earlier run's orphan) stops start-up before any
+    server starts; otherwise the health check would find the orphan and the run would use it."""
+    orphan = subprocess.Popen([sys.executable, "-c", textwrap.dedent('''
+        import socket, time
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        print(s.getsockname()[1], flush=True)
+        time.sleep(600)
+    ''')], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(orphan.stdout.readline())
+        serving = fake_embedded("ok", num_servers=2)
+        serving.policy.port = port - 1  # the second server's port is the held one
+        start = time.monotonic()
+        with pytest.raises(ServerError) as err:
+            ServerManager(serving, str(tmp_path / "run")).start()
+        assert time.monotonic() - start < 10.0
+        msg = str(err.value)
+        assert "\n" not in msg
+        assert msg.startswith(f"serving.policy.port: port {port} is already in use by process {orphan.pid} (")
+        assert f"kill {orphan.pid}" in msg and "choose another serving.policy.port" in msg
+        assert not (tmp_path / "run" / "logs").exists()  # nothing was started
+        assert orphan.poll() is None                     # and the holder was left alone
+    finally:
+        orphan.kill()
+        orphan.wait()
+
+
+def test_a_free_fixed_port_is_used(fake_embedded, tmp_path):
+    serving = fake_embedded("ok")
+    serving.policy.port = mgr.free_ports(1)[0]
+    with ServerManager(serving, str(tmp_path / "run")) as servers:
+        assert servers.urls("policy") == [f"http://127.0.0.1:{serving.policy.port}"]
+
+
 def test_external_backend_checks_health(tmp_path):
     import socket
     s = socket.socket()
