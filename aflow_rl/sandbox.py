@@ -253,6 +253,7 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
     cfg = {
         "mode": mode, "uid": uid, "work": work, "jail_root": jail_root, "python_dirs": python_dirs,
         "prelude": prelude, "jail_prelude": _JAIL_PRELUDE, "hidden": list(hidden_paths()),
+        "parent_pid": os.getpid(),
         "limits": {"cpu_s": int(math.ceil(timeout_s)) + 1, "as_bytes": memory_mb << 20,
                    "fsize_bytes": FSIZE_BYTES, "nofile": NOFILE, "nproc": NPROC},
         # The token names the run in `ps` (and lets tests find leftovers); the prelude hides it from sys.argv.

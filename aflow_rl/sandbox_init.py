@@ -37,6 +37,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_PDEATHSIG = 1
 
 # Entries of / that make up a working userland; symlinks (merged /usr) are copied as symlinks.
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -75,6 +76,10 @@ def _bind_python_dirs(root: str, dirs: list[str], bound: list[str]) -> None:
     for real in dirs:
         if not os.path.isdir(real) or any(real == b or real.startswith(b + "/") for b in bound):
             continue
+        if real == "/tmp" or (root + "/").startswith(real + "/"):
+            # Binding it would show the host's /tmp (other runs' work dirs) inside the jail.
+            raise OSError(f"the Python install at {real} contains the sandbox's own directory; "
+                          "install Python (or the venv) below a directory of its own")
         _mkdirs(root + real)
         _bind(real, root + real)
         bound.append(real)
@@ -179,8 +184,21 @@ def _exec_user(cfg: dict, status_fd: int) -> None:
         os._exit(125)
 
 
+def _die_with_parent(parent_pid: int | None) -> None:
+    """SIGKILL from the kernel when the parent dies (the caller that launched us was killed, say), so a
+    sleeping program cannot outlive it; it takes the rest with it (the jail's PID 1: the namespace).
+    Linux clears this on the jailed program's setuid, which is why PID 1 holds it, not the program.
+    ``parent_pid`` None: the parent is outside our PID namespace (getppid() says 0), so the race
+    with a parent that died before the signal was armed cannot be checked (it waits on us)."""
+    if sys.platform.startswith("linux"):
+        _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(125)
+
+
 def _init(cfg: dict, status_fd: int) -> None:
     """PID 1 of the sandbox: build the jail, run the program, reap, report how it ended."""
+    _die_with_parent(None)
     try:
         _build_jail(cfg["jail_root"], cfg["work"], cfg["python_dirs"], (cfg["prelude"], cfg["jail_prelude"]),
                     cfg.get("hidden", []))
@@ -203,6 +221,8 @@ def _init(cfg: dict, status_fd: int) -> None:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
+    if "parent_pid" in cfg:
+        _die_with_parent(cfg["parent_pid"])
     status_fd = cfg["status_fd"]
     os.set_inheritable(status_fd, False)  # closed on exec: the user's program never sees it
     if cfg["mode"] != "jail":

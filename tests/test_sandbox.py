@@ -257,3 +257,33 @@ def test_bad_arguments_raise_but_bad_code_does_not():
         run_python(b"print(1)")
     r = run_python("raise SystemExit('bye')")
     assert not r.ok and r.exit_code == 1 and "bye" in r.error
+
+
+def test_sandboxed_program_dies_with_its_caller(mode, tmp_path):
+    """A sleeping program (its CPU limit never fires) must not outlive a caller that is SIGKILLed."""
+    import signal
+    import subprocess
+
+    marker = f"sleeper-{os.getpid()}-{mode}"
+    code = f"from aflow_rl.sandbox import run_python\nrun_python('import time  # {marker}\\ntime.sleep(120)', timeout_s=100)\n"
+    root = os.path.dirname(os.path.abspath(__file__ + "/.."))
+    caller = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": root})
+    deadline = time.time() + 30
+    while time.time() < deadline and not _sandbox_children(caller.pid):
+        time.sleep(0.1)
+    assert _sandbox_children(caller.pid), "the sandbox never started"
+    survivors = _sandbox_children(caller.pid)
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    time.sleep(2)
+    alive = [p for p in survivors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:
+        p.kill()
+    assert alive == []
+
+
+def _sandbox_children(pid: int) -> list:
+    try:
+        return [p for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
