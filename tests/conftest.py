@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model (built once per session), a gpu marker that skips without CUDA."""
+"""Shared fixtures: the tiny model (built once per session), a gpu marker that skips without CUDA, and a
+session check that every process the tests started has ended."""
 import os
 import sys
 
@@ -7,6 +8,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from tests.leftovers import no_leftover_processes  # noqa: E402,F401  (autouse, session: see there)
+
+pytest_plugins = ["pytester"]  # tests/test_leftovers.py runs inner sessions
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,3 +39,4 @@ def tiny_model_dir_b(tmp_path_factory):
     from aflow_rl.models.tiny import build
 
     return build(str(tmp_path_factory.mktemp("models_b") / "tiny"), preset="tiny", seed=1)
+
