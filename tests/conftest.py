@@ -9,9 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.leftovers import no_leftover_processes  # noqa: E402,F401  (autouse, session: see there)
-
-pytest_plugins = ["pytester"]  # tests/test_leftovers.py runs inner sessions
+# tests.leftovers: the session check that every process a test started has ended (autouse).
+# pytester: tests/test_leftovers.py runs that check on inner sessions.
+pytest_plugins = ["tests.leftovers", "pytester"]
 
 
 def pytest_collection_modifyitems(config, items):

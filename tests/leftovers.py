@@ -1,6 +1,7 @@
-"""A session check that every process the tests started has ended (autouse; conftest.py imports it).
+"""A session check that every process the tests started has ended, and ``kill_tree`` for tests that kill a run.
 
-Also a pytest plugin of its own (``-p tests.leftovers``), so its test can run it in an inner session.
+A pytest plugin: tests/conftest.py loads it (``pytest_plugins``); tests/test_leftovers.py runs it in inner
+sessions with ``-p tests.leftovers``.
 """
 import os
 import time

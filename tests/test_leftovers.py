@@ -1,6 +1,5 @@
 """The session check of tests/leftovers.py, run on an inner pytest session: it must name and kill what a
 test leaves running (a child, and an orphan that left our process tree), and stay quiet otherwise."""
-import os
 import sys
 
 import psutil
@@ -18,7 +17,8 @@ def test_leaks_a_child(tmp_path):
 
 def test_leaks_an_orphan():
     # The middle process exits at once; the sleeper, in a session of its own, is re-parented to init.
-    spawn = f"import subprocess; p = subprocess.Popen({{SLEEP!r}}, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)"
+    spawn = (f"import subprocess; p = subprocess.Popen({{SLEEP!r}}, start_new_session=True, "
+             "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)")
     out = subprocess.run([sys.executable, "-c", spawn], capture_output=True, text=True, check=True).stdout
     open({pids!r} + "/orphan", "w").write(out.strip())
 '''
