@@ -35,7 +35,8 @@ setup(
     ],
     extras_require={
         # Everything tests/ imports beyond install_requires (tests/test_dependencies.py checks this list).
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "jsonschema>=4.0", "openai>=1.40", "distributed>=2024.1"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "jsonschema>=4.0", "openai>=1.40", "distributed>=2024.1",
+                 "regex>=2023.0"],
         "gpu": ["sglang[all]>=0.4", "sglang-router"],
         "dask": ["distributed>=2024.1"],  # the rollout.backend=dask client (pulls in dask itself)
     },
