@@ -8,9 +8,11 @@
 
 Everything goes through ``deepspeed.initialize``; without CUDA DeepSpeed's CPU
 accelerator runs the same code over a gloo process group. The optimizer is
-DeepSpeed's ``AdamW`` entry with ``torch_adam`` (``torch.optim.AdamW``), so no
-op has to be JIT-compiled; a DeepSpeed JSON (``trainer.deepspeed_config``) can
-switch to FusedAdam or anything else, since its keys win.
+DeepSpeed's ``AdamW`` entry with ``torch_adam`` (``torch.optim.AdamW``), and a
+one-rank CPU group does without DeepSpeed's shared-memory comm op, so no op has
+to be JIT-compiled (several CPU ranks build that op once; a line says so); a
+DeepSpeed JSON (``trainer.deepspeed_config``) can switch to FusedAdam or
+anything else, since its keys win.
 """
 from __future__ import annotations
 
@@ -86,12 +88,48 @@ def setup_distributed(timeout_s: float = 1800.0) -> DistInfo:
         torch.cuda.set_device(local_rank)
     import deepspeed
 
-    # On CPU the first call JIT-compiles DeepSpeed's shared-memory comm op (about a
-    # minute, cached in ~/.cache/torch_extensions afterwards).
+    if not cuda:
+        _plan_shm_comm(int(os.environ["WORLD_SIZE"]), local_rank)
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
     dist = torch.distributed
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+SHM_OP = "deepspeed_shm_comm"
+
+
+def _plan_shm_comm(world_size: int, local_rank: int) -> None:
+    """DeepSpeed's CPU communicator JIT-compiles its shared-memory all-reduce op (C++ with ninja:
+    about 1.5 CPU-minutes, 3 minutes and more on a busy machine) whenever it is created, whatever
+    the world size. One rank never communicates, so the op is marked unavailable and DeepSpeed
+    uses torch.distributed (gloo) as it does wherever the op cannot be built. Several CPU ranks do
+    use it: when it is not in the extension cache yet, one line says that a compile follows."""
+    import deepspeed.ops
+
+    if world_size == 1:
+        # deepspeed.ops.__compatible_ops__ is the table build_shm_op consults; DeepSpeed keeps
+        # one dict per process, so the entry stays off for every communicator created here.
+        deepspeed.ops.__compatible_ops__[SHM_OP] = False
+        return
+    from deepspeed.git_version_info import installed_ops
+
+    if local_rank == 0 and not installed_ops.get(SHM_OP) and deepspeed.ops.__compatible_ops__.get(SHM_OP):
+        cached = _cached_extension(SHM_OP)
+        if cached is False:
+            print(f"compiling DeepSpeed's {SHM_OP} op for {world_size} CPU ranks (once: about 1.5 CPU-minutes, "
+                  "3+ on a busy machine; cached under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)",
+                  flush=True)
+
+
+def _cached_extension(name: str) -> bool | None:
+    """Whether torch's JIT extension cache already holds ``name`` (None: cannot tell)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return os.path.isfile(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
+    except Exception:   # a private helper of torch: its absence must not stop training
+        return None
 
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
