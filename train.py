@@ -218,28 +218,11 @@ class Loop:
         return (turns, flat_adv, turn_grammar_masks(turns, self.grammar)), stats
 
     def episodes(self, step: int):
-        """B tasks x G episodes through the pool. A rollout in which every episode failed is run
-        again, up to trainer.max_failed_step_retries times, then the run stops with their error."""
-        from aflow_rl.rollout.pool import make_episodes
-
-        cfg, retries = self.cfg, self.cfg.trainer.max_failed_step_retries
+        """B tasks x G episodes through the pool, with the retries of :func:`rollout_with_retries`."""
+        cfg = self.cfg
         tasks = self.sampler.next(cfg.rollout.tasks_per_step)
-        pool_stats: dict[str, float] = {}
-        for attempt in range(retries + 1):
-            trajs = list(self.pool.run(make_episodes(tasks, cfg.rollout.group_size, prefix=f"s{step}-")))
-            for k, v in self.pool.stats.items():   # counters of every rollout of the step
-                pool_stats[k] = pool_stats.get(k, 0) + v
-            _save_episodes(cfg.run_dir, step, trajs, append=attempt > 0)
-            if any(t.ok for t in trajs) or not trajs:
-                return trajs, pool_stats
-            cause = failure_cause(trajs, self.servers)
-            if _dead_server(self.servers):   # no retry brings a dead server back
-                raise RunFailed(f"step {step + 1} cannot learn: every episode failed; {cause}")
-            if attempt < retries:
-                self.bar.write(f"step {step + 1}: every episode failed ({cause}); "
-                               f"rollout retry {attempt + 1} of {retries}")
-        raise RunFailed(f"step {step + 1} cannot learn: every episode failed in {retries + 1} rollout(s) "
-                        f"(trainer.max_failed_step_retries={retries}); {cause}")
+        return rollout_with_retries(self.pool, tasks, cfg, step, servers=self.servers, say=self.bar.write,
+                                    save=lambda trajs, again: _save_episodes(cfg.run_dir, step, trajs, append=again))
 
     def train(self, turns, flat_adv, masks):
         """4. Every rank trains on rank 0's batch; the whole batch is one optimizer step per PPO
@@ -312,6 +295,32 @@ def _choose_start(cfg: Config) -> str | None:
         print(f"started fresh at step 0 ({why})"
               + (f"; dropped the earlier attempt's {rewound}" if rewound.any else ""), flush=True)
     return path
+
+
+def rollout_with_retries(pool, tasks, cfg, step: int, *, servers=None, say=print, save=None):
+    """Run ``tasks`` x ``rollout.group_size`` episodes; returns (trajectories, pool counters summed
+    over the rollouts). A rollout in which every episode failed is run again, up to
+    ``trainer.max_failed_step_retries`` times (at once if a server process died: nothing brings it
+    back); then RunFailed names the cause, before anything of the step is trained or saved."""
+    from aflow_rl.rollout.pool import make_episodes
+
+    retries = cfg.trainer.max_failed_step_retries
+    pool_stats: dict[str, float] = {}
+    for attempt in range(retries + 1):
+        trajs = list(pool.run(make_episodes(tasks, cfg.rollout.group_size, prefix=f"s{step}-")))
+        for k, v in pool.stats.items():   # counters of every rollout of the step
+            pool_stats[k] = pool_stats.get(k, 0) + v
+        if save is not None:
+            save(trajs, attempt > 0)
+        if any(t.ok for t in trajs) or not trajs:
+            return trajs, pool_stats
+        cause = failure_cause(trajs, servers)
+        if _dead_server(servers):
+            raise RunFailed(f"step {step + 1} cannot learn: every episode failed; {cause}")
+        if attempt < retries:
+            say(f"step {step + 1}: every episode failed ({cause}); rollout retry {attempt + 1} of {retries}")
+    raise RunFailed(f"step {step + 1} cannot learn: every episode failed in {retries + 1} rollout(s) "
+                    f"(trainer.max_failed_step_retries={retries}); {cause}")
 
 
 def failure_cause(trajs, servers=None) -> str:
