@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                     servers=run["servers"])
         run["bar"] = loop.bar
         loop.run(state)
+        loop.bar.close()   # the line below starts on a line of its own
         if main_rank:
             print(f"done: {state.step} steps; events, checkpoints and traces in {run_dir}")
     finally:
@@ -175,7 +176,7 @@ class Loop:
         for step in range(state.step, cfg.trainer.max_steps):
             t_start = time.perf_counter()
             # 1-3 on rank 0 (a step that cannot learn raises RunFailed on every rank, before any checkpoint).
-            batch, roll_stats = _from_rank0(self.dist.is_main, lambda: self.rollout(step)) or (None, {})
+            batch, roll_stats = _from_rank0(self.dist.is_main, lambda: self.rollout(step), share=False) or (None, {})
             turns, flat_adv, masks = share_from_rank0(batch)
             train_stats, train_s = self.train(turns, flat_adv, masks)
             # 5. Weight sync: the servers sample the next rollout from the new weights.
@@ -253,21 +254,29 @@ class Loop:
                              roll=f"{stats['timing/rollout_s']:.1f}s", train=f"{stats['timing/train_s']:.1f}s")
 
 
-def _from_rank0(main_rank: bool, fn):
-    """``fn()`` on rank 0, its result (or its exception, raised on every rank) shared with all
-    ranks: an error found on rank 0 must not leave the others waiting in a collective."""
+def _from_rank0(main_rank: bool, fn, *, share: bool = True):
+    """``fn()`` on rank 0; its exception is raised on every rank (an error found on rank 0 must not
+    leave the others waiting in a collective). ``share``: the result goes to every rank too
+    (otherwise the other ranks get None and rank 0 keeps its own)."""
+    import pickle
+
     from aflow_rl.trainer.engine import share_from_rank0
 
-    out = None
+    value = error = None
     if main_rank:
         try:
-            out = (fn(), None)
+            value = fn()
         except Exception as exc:   # noqa: BLE001 - re-raised below, on every rank
-            out = (None, exc)
-    value, error = share_from_rank0(out)
+            error = exc
+            try:
+                pickle.dumps(exc)
+            except Exception:      # noqa: BLE001 - the other ranks still need to hear of it
+                error = RuntimeError(f"{type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+    shared, error = share_from_rank0((value if share else None, error))
     if error is not None:
         raise error
-    return value
+    return shared if share else value
 
 
 def _choose_start(cfg: Config) -> str | None:
