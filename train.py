@@ -282,7 +282,8 @@ def _from_rank0(main_rank: bool, fn, *, share: bool = True):
 def _choose_start(cfg: Config) -> str | None:
     """Rank 0: the checkpoint this run resumes from, after setting aside damaged ones, and the
     run's TensorBoard records, traces and episode files rewound to it. Says which it did."""
-    from aflow_rl.trainer.checkpoint import CHECKPOINTS, read_trainer_state, resolve_resume, saved_at, set_aside
+    from aflow_rl.trainer.checkpoint import (CHECKPOINTS, list_checkpoints, read_trainer_state, resolve_resume,
+                                             saved_at, set_aside)
     from aflow_rl.trainer.records import rewind
 
     skipped: list[tuple[str, str]] = []
@@ -293,6 +294,10 @@ def _choose_start(cfg: Config) -> str | None:
             print(f"checkpoint {bad} is damaged ({problem}); set aside as {set_aside(bad)}", flush=True)
         else:
             print(f"checkpoint {bad} is damaged ({problem}); passed over", flush=True)
+    if cfg.resume == "never":   # starting over: an earlier checkpoint must not be resumed from later
+        for old in list_checkpoints(cfg.run_dir):
+            print(f"resume=never: set aside the earlier checkpoint {old} as {set_aside(old, 'superseded')}",
+                  flush=True)
     step = read_trainer_state(path).step if path else 0
     rewound = rewind(cfg.run_dir, step, saved_at(path) if path else None)
     if path:
@@ -309,8 +314,8 @@ def _choose_start(cfg: Config) -> str | None:
 def rollout_with_retries(pool, tasks, cfg, step: int, *, servers=None, say=print, save=None):
     """Run ``tasks`` x ``rollout.group_size`` episodes; returns (trajectories, pool counters summed
     over the rollouts). A rollout in which every episode failed is run again, up to
-    ``trainer.max_failed_step_retries`` times (at once if a server process died: nothing brings it
-    back); then RunFailed names the cause, before anything of the step is trained or saved."""
+    ``trainer.max_failed_step_retries`` times (not at all when a server process died: nothing brings
+    it back); then RunFailed names the cause, before anything of the step is trained or saved."""
     from aflow_rl.rollout.pool import make_episodes
 
     retries = cfg.trainer.max_failed_step_retries

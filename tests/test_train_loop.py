@@ -157,10 +157,12 @@ def test_start_says_fresh_and_why(tmp_path, capsys):
     cfg = cfg_with(tmp_path)
     assert train._choose_start(cfg) is None
     assert capsys.readouterr().out == f"started fresh at step 0 (no checkpoint in {cfg.run_dir})\n"
-    _checkpoint(cfg.run_dir, 1, 100.0)
+    old = _checkpoint(cfg.run_dir, 1, 100.0)
     cfg.resume = "never"
     assert train._choose_start(cfg) is None
-    assert capsys.readouterr().out == "started fresh at step 0 (resume=never)\n"
+    assert capsys.readouterr().out == (f"resume=never: set aside the earlier checkpoint {old} as {old}.superseded\n"
+                                       "started fresh at step 0 (resume=never)\n")
+    assert list_checkpoints(cfg.run_dir) == []         # a later resume=auto cannot pick the old run's step 1
 
 
 # ---------------------------------------------------------------------------

@@ -170,13 +170,13 @@ def _newest_intact(run_dir: str, check: str, skipped: list | None) -> str | None
     return None
 
 
-def set_aside(path: str) -> str:
-    """Rename a damaged checkpoint to ``step_<N>.invalid[-k]``: kept for a post-mortem, but no longer
-    listed, resumed from or counted by ``keep_last``. Returns the new path."""
-    target, k = f"{path}.invalid", 1
+def set_aside(path: str, why: str = "invalid") -> str:
+    """Rename a checkpoint to ``step_<N>.<why>[-k]`` (a damaged one: ``invalid``): kept for a
+    post-mortem, but no longer listed, resumed from or counted by ``keep_last``. Returns the new path."""
+    target, k = f"{path}.{why}", 1
     while os.path.exists(target):
         k += 1
-        target = f"{path}.invalid-{k}"
+        target = f"{path}.{why}-{k}"
     os.rename(path, target)
     return target
 
