@@ -18,9 +18,10 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 
@@ -34,11 +35,15 @@ def parse_args(argv: list[str]) -> Config:
         print("Config keys (set in the YAML or as key=value):")
         print(format_help())
         sys.exit(0 if argv else 2)
-    path, overrides = (argv[0], argv[1:]) if "=" not in argv[0] else (None, argv)
     try:
-        return load_config(path, overrides)
+        return load_config(*_split_args(argv))
     except ConfigError as exc:
         sys.exit(f"config error: {exc}")
+
+
+def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG.yaml] key=value ...`` -> (config path or None, overrides)."""
+    return (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
 
 
 def preflight(cfg: Config) -> None:
@@ -56,6 +61,10 @@ def preflight(cfg: Config) -> None:
                      "pip install -e .[gpu] (or use backend=embedded on CPU)")
 
 
+class RunFailed(RuntimeError):
+    """The run cannot learn: every episode of a step failed, in every retry of its rollout."""
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     preflight(cfg)
@@ -65,21 +74,20 @@ def main(argv: list[str] | None = None) -> None:
 
     # Heavy imports after argument parsing, so --help and config errors are instant.
     import torch
-    from tqdm import tqdm
+
+    from aflow_rl.trainer.console import quiet_libraries
+
+    quiet_libraries(torch.cuda.is_available())   # before DeepSpeed and transformers print anything
     from transformers import AutoTokenizer
 
-    from aflow_rl.algos.advantages import from_trajectories, valid_group_mask
-    from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
     from aflow_rl.llm import make_client
-    from aflow_rl.rollout.pool import RolloutPool, make_episodes
+    from aflow_rl.rollout.pool import RolloutPool
     from aflow_rl.rollout.sampler import TaskSampler
     from aflow_rl.rollout.types import WorkerContext
     from aflow_rl.serving.grammar import GrammarBackend
     from aflow_rl.serving.manager import ServerManager
-    from aflow_rl.trainer.batch import turn_grammar_masks
-    from aflow_rl.trainer.checkpoint import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
-    from aflow_rl.trainer.engine import (build_engine, load_reference, setup_distributed, share_from_rank0,
-                                         teardown_distributed, train_step)
+    from aflow_rl.trainer.checkpoint import TrainerState, load_checkpoint
+    from aflow_rl.trainer.engine import build_engine, load_reference, setup_distributed, teardown_distributed
     from aflow_rl.trainer.logger import TBLogger
 
     # ---- distributed set-up: plain python is a 1-rank group, torchrun gives N ranks -------------
@@ -88,13 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = cfg.run_dir
     torch.manual_seed(cfg.run.seed + dist.rank)
     np.random.seed(cfg.run.seed + dist.rank)
-    servers = pool = logger = None
+    run = {"servers": None, "pool": None, "logger": None, "bar": None}
     try:
         if main_rank:
             os.makedirs(run_dir, exist_ok=True)
             save_resolved(cfg)
             # Rank 0 owns the inference servers (and builds the offline tiny model if asked to).
-            servers = ServerManager(cfg.serving, run_dir).start()
+            run["servers"] = ServerManager(cfg.serving, run_dir).start()
         torch.distributed.barrier()  # the policy model directory exists from here on
         policy_path = cfg.serving.policy.model_path
         tokenizer = AutoTokenizer.from_pretrained(policy_path)
@@ -102,108 +110,256 @@ def main(argv: list[str] | None = None) -> None:
         # ---- the DeepSpeed engine (every rank), the reference model, resume ----------------------
         engine = build_engine(policy_path, cfg.trainer)
         ref_model = load_reference(policy_path, engine) if cfg.algo.kl_coef > 0 else None
-        state = TrainerState()
-        resume_from = resolve_resume(cfg.resume, run_dir)
-        if resume_from:
-            state = load_checkpoint(engine, resume_from)  # weights, optimizer, schedule, this rank's RNG
-            if main_rank:
-                print(f"resumed from {resume_from} at step {state.step}", flush=True)
+        # Rank 0 picks the checkpoint (damaged ones set aside) and rewinds the run's records to it.
+        resume_from = _from_rank0(main_rank, lambda: _choose_start(cfg))
+        state = load_checkpoint(engine, resume_from) if resume_from else TrainerState()
 
         # ---- rank 0: the environment's task source, the worker pool, the weight-sync client ------
         sampler = TaskSampler(make_tasks, cfg, cfg.run.seed, num_tasks=cfg.rollout.num_tasks)
         if state.sampler:
             sampler.load_state_dict(state.sampler)
-        grammar = GrammarBackend.from_pretrained(policy_path) if main_rank else None
+        policy_admin = None
         if main_rank:
-            logger = TBLogger(run_dir)
-            logger.hparams(_hparams(cfg))
-            urls = servers.all_urls()
-            pool = RolloutPool(cfg.rollout, WorkerContext(config=cfg, urls=urls, run_dir=run_dir)).start()
+            run["logger"] = TBLogger(run_dir, purge_step=state.step + 1)
+            run["logger"].hparams(_hparams(cfg))
+            urls = run["servers"].all_urls()
+            run["pool"] = RolloutPool(cfg.rollout, WorkerContext(config=cfg, urls=urls, run_dir=run_dir)).start()
             policy_admin = make_client(cfg.llm.policy, urls.get("policy", []), role="policy")
         if state.step > 0:
             # The servers started from the base model: bring them to the resumed weights.
-            _sync(engine, tokenizer, policy_admin if main_rank else None, run_dir, state.step, cfg)
-
-        # ---- the loop ----------------------------------------------------------------------------
-        bar = tqdm(total=cfg.trainer.max_steps, initial=state.step, disable=not main_rank,
-                   desc=cfg.run.name, dynamic_ncols=True)
-        for step in range(state.step, cfg.trainer.max_steps):
-            t_start = time.perf_counter()
-            batch = None
-            if main_rank:
-                # 1. Rollout: B tasks x G episodes, streamed back from the worker processes.
-                tasks = sampler.next(cfg.rollout.tasks_per_step)
-                episodes = make_episodes(tasks, cfg.rollout.group_size, prefix=f"s{step}-")
-                trajs = list(pool.run(episodes))
-                t_rollout = time.perf_counter() - t_start
-                _save_episodes(run_dir, step, trajs)
-
-                # 2. Rewards: PARL shaping (annealed lambdas) -> the episode return R_i.
-                #    The terminal reward is R_i minus the step rewards the env already placed
-                #    on turns, so every estimator sees exactly the shaped return.
-                shaped = shaped_rewards(trajs, step, cfg.algo.parl)
-                keep = valid_group_mask([t.group_id for t in trajs], [t.ok and bool(t.turns) for t in trajs])
-                kept = [t for t, k in zip(trajs, keep) if k]
-                terminal = [s - float(t.step_rewards.sum()) for t, s, k in zip(trajs, shaped, keep) if k]
-
-                # 3. Advantages: GRPO over episode groups, or GiGPO (+ anchor-state step groups).
-                advs = from_trajectories(cfg.algo, kept, terminal)
-                turns = [turn for t in kept for turn in t.turns]
-                flat_adv = np.concatenate(advs) if advs else np.zeros(0)
-                masks = turn_grammar_masks(turns, grammar)
-                batch = (turns, flat_adv, masks)
-                roll_stats = _rollout_stats(trajs, shaped, keep, pool.stats, parl_lambdas(step, cfg.algo.parl))
-                roll_stats["timing/rollout_s"] = t_rollout
-
-            # 4. Every rank trains on rank 0's batch; the whole batch is one optimizer step
-            #    per PPO epoch (the accumulation follows the batch), so the x-axis of every
-            #    curve and the LR schedule count the same steps.
-            turns, flat_adv, masks = share_from_rank0(batch)
-            t_train = time.perf_counter()
-            if turns:
-                per_step = engine.train_micro_batch_size_per_gpu() * dist.world_size
-                engine.set_train_batch_size(per_step * math.ceil(len(turns) / per_step))
-                train_stats = train_step(engine, turns, flat_adv, algo=cfg.algo, ppo_epochs=cfg.trainer.ppo_epochs,
-                                         temperature=cfg.env.temperature, ref_model=ref_model,
-                                         grammar_masks=masks, pad_id=tokenizer.pad_token_id or 0)
-            else:
-                train_stats = {}  # every group failed or was too small: nothing to learn from this step
-            train_s = time.perf_counter() - t_train
-
-            # 5. Weight sync: the servers sample the next rollout from the new weights.
-            sync_s = 0.0
-            if (step + 1) % cfg.trainer.sync_every == 0 and turns:
-                sync_s = _sync(engine, tokenizer, policy_admin if main_rank else None, run_dir, step + 1, cfg)
-
-            # 6. Logging (rank 0) and checkpoints (every rank: ZeRO shards are per rank).
-            state.step, state.sampler, state.anneal_step = step + 1, sampler.state_dict(), step + 1
-            if main_rank:
-                stats = {**roll_stats, **train_stats, "timing/train_s": train_s, "timing/sync_s": sync_s,
-                         "timing/step_s": time.perf_counter() - t_start}
-                if step % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps:
-                    logger.scalars(stats, step + 1)
-                    if len(flat_adv):
-                        logger.histogram("rewards/advantages", flat_adv, step + 1)
-                if step % cfg.trainer.sample_every == 0:
-                    logger.text("samples/episode", _sample_text(trajs, tokenizer), step + 1)
-                bar.set_postfix(reward=f"{stats.get('rewards/mean', float('nan')):.3f}",
-                                loss=f"{stats.get('losses/policy', float('nan')):.3f}",
-                                roll=f"{stats['timing/rollout_s']:.1f}s", train=f"{train_s:.1f}s")
-            bar.update(1)
-            last = step + 1 == cfg.trainer.max_steps
-            if (step + 1) % cfg.trainer.save_every == 0 or last:
-                save_checkpoint(engine, run_dir, state, tokenizer=tokenizer, keep_last=cfg.trainer.keep_last)
-        bar.close()
+            _sync(engine, tokenizer, policy_admin, run_dir, state.step, cfg)
+        loop = Loop(cfg, dist, engine, ref_model, tokenizer, sampler, run["pool"], run["logger"], policy_admin,
+                    GrammarBackend.from_pretrained(policy_path) if main_rank else None, first_step=state.step,
+                    servers=run["servers"])
+        run["bar"] = loop.bar
+        loop.run(state)
+        loop.bar.close()   # the line below starts on a line of its own
         if main_rank:
             print(f"done: {state.step} steps; events, checkpoints and traces in {run_dir}")
     finally:
-        if pool is not None:
-            pool.close()
-        if logger is not None:
-            logger.close()
-        if servers is not None:
-            servers.stop()
+        _shut_down(run)
         teardown_distributed()
+
+
+def _shut_down(run: dict) -> None:
+    """Close the bar first (a message after it starts on its own line), then the pool, logger, servers."""
+    if run["bar"] is not None:
+        run["bar"].close()
+    if run["pool"] is not None:
+        run["pool"].close()
+    if run["logger"] is not None:
+        run["logger"].close()
+    if run["servers"] is not None:
+        run["servers"].stop()
+
+
+class Loop:
+    """The iteration: rollout (rank 0) -> rewards and advantages (rank 0) -> PPO update (every rank)
+    -> weight sync -> TensorBoard and checkpoints. One method per phase, in that order."""
+
+    def __init__(self, cfg, dist, engine, ref_model, tokenizer, sampler, pool, logger, policy_admin, grammar,
+                 first_step: int = 0, servers=None):
+        from tqdm import tqdm
+
+        self.cfg, self.dist, self.engine, self.ref_model, self.tokenizer = cfg, dist, engine, ref_model, tokenizer
+        self.sampler, self.pool, self.logger, self.policy_admin, self.grammar = sampler, pool, logger, policy_admin, grammar
+        self.bar = tqdm(total=cfg.trainer.max_steps, initial=first_step, disable=not dist.is_main, desc=cfg.run.name,
+                        dynamic_ncols=True)
+        self._trajs: list = []
+        self.servers = servers   # rank 0's ServerManager: a failed rollout says which server died
+
+    def run(self, state) -> None:
+        from aflow_rl.trainer.checkpoint import save_checkpoint
+        from aflow_rl.trainer.engine import share_from_rank0
+
+        cfg = self.cfg
+        for step in range(state.step, cfg.trainer.max_steps):
+            t_start = time.perf_counter()
+            # 1-3 on rank 0 (a step that cannot learn raises RunFailed on every rank, before any checkpoint).
+            batch, roll_stats = _from_rank0(self.dist.is_main, lambda: self.rollout(step), share=False) or (None, {})
+            turns, flat_adv, masks = share_from_rank0(batch)
+            train_stats, train_s = self.train(turns, flat_adv, masks)
+            # 5. Weight sync: the servers sample the next rollout from the new weights.
+            sync_s = 0.0
+            if (step + 1) % cfg.trainer.sync_every == 0 and turns:
+                sync_s = _sync(self.engine, self.tokenizer, self.policy_admin, cfg.run_dir, step + 1, cfg)
+            # 6. Logging (rank 0) and checkpoints (every rank: ZeRO shards are per rank).
+            state.step, state.sampler, state.anneal_step = step + 1, self.sampler.state_dict(), step + 1
+            if self.dist.is_main:
+                self.log(step, {**roll_stats, **train_stats, "timing/train_s": train_s, "timing/sync_s": sync_s,
+                                "timing/step_s": time.perf_counter() - t_start}, flat_adv)
+            self.bar.update(1)
+            if (step + 1) % cfg.trainer.save_every == 0 or step + 1 == cfg.trainer.max_steps:
+                save_checkpoint(self.engine, cfg.run_dir, state, tokenizer=self.tokenizer,
+                                keep_last=cfg.trainer.keep_last, check=cfg.trainer.checkpoint_check)
+
+    def rollout(self, step: int):
+        """1. Rollout (retried while every episode fails), 2. PARL-shaped rewards, 3. advantages."""
+        from aflow_rl.algos.advantages import from_trajectories, valid_group_mask
+        from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
+        from aflow_rl.trainer.batch import turn_grammar_masks
+
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        trajs, pool_stats = self.episodes(step)
+        t_rollout = time.perf_counter() - t_start
+        # The terminal reward is R_i minus the step rewards the env already placed on turns,
+        # so every estimator sees exactly the shaped return.
+        shaped = shaped_rewards(trajs, step, cfg.algo.parl)
+        keep = valid_group_mask([t.group_id for t in trajs], [t.ok and bool(t.turns) for t in trajs])
+        kept = [t for t, k in zip(trajs, keep) if k]
+        terminal = [s - float(t.step_rewards.sum()) for t, s, k in zip(trajs, shaped, keep) if k]
+        # GRPO over episode groups, or GiGPO (+ anchor-state step groups).
+        advs = from_trajectories(cfg.algo, kept, terminal)
+        turns = [turn for t in kept for turn in t.turns]
+        flat_adv = np.concatenate(advs) if advs else np.zeros(0)
+        stats = _rollout_stats(trajs, shaped, keep, pool_stats, parl_lambdas(step, cfg.algo.parl))
+        stats["timing/rollout_s"] = t_rollout
+        self._trajs = trajs   # for the text samples
+        return (turns, flat_adv, turn_grammar_masks(turns, self.grammar)), stats
+
+    def episodes(self, step: int):
+        """B tasks x G episodes through the pool, with the retries of :func:`rollout_with_retries`."""
+        cfg = self.cfg
+        tasks = self.sampler.next(cfg.rollout.tasks_per_step)
+        return rollout_with_retries(self.pool, tasks, cfg, step, servers=self.servers, say=self.bar.write,
+                                    save=lambda trajs, again: _save_episodes(cfg.run_dir, step, trajs, append=again))
+
+    def train(self, turns, flat_adv, masks):
+        """4. Every rank trains on rank 0's batch; the whole batch is one optimizer step per PPO
+        epoch (the accumulation follows the batch), so every curve and the LR schedule count the same steps."""
+        from aflow_rl.trainer.engine import train_step
+
+        t_train = time.perf_counter()
+        if not turns:
+            return {}, time.perf_counter() - t_train   # every group failed or was too small
+        engine, cfg = self.engine, self.cfg
+        per_step = engine.train_micro_batch_size_per_gpu() * self.dist.world_size
+        engine.set_train_batch_size(per_step * math.ceil(len(turns) / per_step))
+        stats = train_step(engine, turns, flat_adv, algo=cfg.algo, ppo_epochs=cfg.trainer.ppo_epochs,
+                           temperature=cfg.env.temperature, ref_model=self.ref_model, grammar_masks=masks,
+                           pad_id=self.tokenizer.pad_token_id or 0)
+        return stats, time.perf_counter() - t_train
+
+    def log(self, step: int, stats: dict, flat_adv) -> None:
+        cfg, logger = self.cfg, self.logger
+        if step % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps:
+            logger.scalars(stats, step + 1)
+            if len(flat_adv):
+                logger.histogram("rewards/advantages", flat_adv, step + 1)
+        if step % cfg.trainer.sample_every == 0:
+            logger.text("samples/episode", _sample_text(self._trajs, self.tokenizer), step + 1)
+        self.bar.set_postfix(reward=f"{stats.get('rewards/mean', float('nan')):.3f}",
+                             loss=f"{stats.get('losses/policy', float('nan')):.3f}",
+                             roll=f"{stats['timing/rollout_s']:.1f}s", train=f"{stats['timing/train_s']:.1f}s")
+
+
+def _from_rank0(main_rank: bool, fn, *, share: bool = True):
+    """``fn()`` on rank 0; its exception is raised on every rank (an error found on rank 0 must not
+    leave the others waiting in a collective). ``share``: the result goes to every rank too
+    (otherwise the other ranks get None and rank 0 keeps its own)."""
+    import pickle
+
+    from aflow_rl.trainer.engine import share_from_rank0
+
+    value = error = None
+    if main_rank:
+        try:
+            value = fn()
+        except Exception as exc:   # noqa: BLE001 - re-raised below, on every rank
+            error = exc
+            try:
+                pickle.dumps(exc)
+            except Exception:      # noqa: BLE001 - the other ranks still need to hear of it
+                error = RuntimeError(f"{type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+    shared, error = share_from_rank0((value if share else None, error))
+    if error is not None:
+        raise error
+    return shared if share else value
+
+
+def _choose_start(cfg: Config) -> str | None:
+    """Rank 0: the checkpoint this run resumes from, after setting aside damaged ones, and the
+    run's TensorBoard records, traces and episode files rewound to it. Says which it did."""
+    from aflow_rl.trainer.checkpoint import (CHECKPOINTS, list_checkpoints, read_trainer_state, resolve_resume,
+                                             saved_at, set_aside)
+    from aflow_rl.trainer.records import rewind
+
+    skipped: list[tuple[str, str]] = []
+    path = resolve_resume(cfg.resume, cfg.run_dir, check=cfg.trainer.checkpoint_check, skipped=skipped)
+    own = os.path.abspath(os.path.join(cfg.run_dir, CHECKPOINTS))
+    for bad, problem in skipped:
+        if os.path.dirname(os.path.abspath(bad)) == own:
+            print(f"checkpoint {bad} is damaged ({problem}); set aside as {set_aside(bad)}", flush=True)
+        else:
+            print(f"checkpoint {bad} is damaged ({problem}); passed over", flush=True)
+    if cfg.resume == "never":   # starting over: an earlier checkpoint must not be resumed from later
+        for old in list_checkpoints(cfg.run_dir):
+            print(f"resume=never: set aside the earlier checkpoint {old} as {set_aside(old, 'superseded')}",
+                  flush=True)
+    step = read_trainer_state(path).step if path else 0
+    rewound = rewind(cfg.run_dir, step, saved_at(path) if path else None)
+    if path:
+        print(f"resumed from step {step} at {path}"
+              + (f"; dropped the {rewound} recorded after it" if rewound.any else ""), flush=True)
+    else:
+        why = ("resume=never" if cfg.resume == "never" else
+               f"no intact checkpoint in {cfg.run_dir}" if skipped else f"no checkpoint in {cfg.run_dir}")
+        print(f"started fresh at step 0 ({why})"
+              + (f"; dropped the earlier attempt's {rewound}" if rewound.any else ""), flush=True)
+    return path
+
+
+def rollout_with_retries(pool, tasks, cfg, step: int, *, servers=None, say=print, save=None):
+    """Run ``tasks`` x ``rollout.group_size`` episodes; returns (trajectories, pool counters summed
+    over the rollouts). A rollout in which every episode failed is run again, up to
+    ``trainer.max_failed_step_retries`` times (not at all when a server process died: nothing brings
+    it back); then RunFailed names the cause, before anything of the step is trained or saved."""
+    from aflow_rl.rollout.pool import make_episodes
+
+    retries = cfg.trainer.max_failed_step_retries
+    pool_stats: dict[str, float] = {}
+    for attempt in range(retries + 1):
+        trajs = list(pool.run(make_episodes(tasks, cfg.rollout.group_size, prefix=f"s{step}-")))
+        for k, v in pool.stats.items():   # counters of every rollout of the step
+            pool_stats[k] = pool_stats.get(k, 0) + v
+        if save is not None:
+            save(trajs, attempt > 0)
+        if any(t.ok for t in trajs) or not trajs:
+            return trajs, pool_stats
+        cause = failure_cause(trajs, servers)
+        if _dead_server(servers):
+            raise RunFailed(f"step {step + 1} cannot learn: every episode failed; {cause}")
+        if attempt < retries:
+            say(f"step {step + 1}: every episode failed ({cause}); rollout retry {attempt + 1} of {retries}")
+    raise RunFailed(f"step {step + 1} cannot learn: every episode failed in {retries + 1} rollout(s) "
+                    f"(trainer.max_failed_step_retries={retries}); {cause}")
+
+
+def failure_cause(trajs, servers=None) -> str:
+    """Why a rollout failed: the most frequent of the episodes' own errors (the last line of
+    each: the exception; errors that differ only in numbers, such as timings, count as one), and
+    every started server whose process has exited."""
+    failed = [_last_line(t.error) or t.status for t in trajs if not t.ok]
+    kinds = Counter(re.sub(r"\d+(\.\d+)?", "#", e) for e in failed)
+    (kind, n), others = kinds.most_common(1)[0], len(kinds) - 1
+    text = next(e for e in failed if re.sub(r"\d+(\.\d+)?", "#", e) == kind)
+    cause = f"{n} of {len(trajs)} episodes: {text}" + (f" (and {others} other error(s))" if others else "")
+    dead = [p for p in (servers.processes if servers is not None else []) if not p.alive]
+    for proc in dead:
+        code = proc.proc.returncode if proc.proc is not None else None
+        cause += f"; {proc.name} ({proc.url}) is dead (exit code {code}), log {proc.log_path}"
+    return cause
+
+
+def _dead_server(servers) -> bool:
+    return servers is not None and any(not p.alive for p in servers.processes)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,10 +368,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _already_done(cfg: Config) -> bool:
-    """True (and says so) when resume finds a checkpoint at trainer.max_steps: nothing to start."""
+    """True (and says so) when resume finds a checkpoint at trainer.max_steps: nothing to start.
+    Every rank decides alone (no process group yet), so only file sizes are checked here."""
     from aflow_rl.trainer.checkpoint import read_trainer_state, resolve_resume
 
-    path = resolve_resume(cfg.resume, cfg.run_dir)
+    path = resolve_resume(cfg.resume, cfg.run_dir, check="size")
     if path is None or read_trainer_state(path).step < cfg.trainer.max_steps:
         return False
     print(f"{cfg.run_dir} is complete ({path}, trainer.max_steps={cfg.trainer.max_steps}); to train further "
@@ -266,9 +423,9 @@ def _rollout_stats(trajs, shaped, keep, pool_stats, lambdas) -> dict:
     """Scalars of one rollout under DESIGN.md's tags."""
     ok = [i for i, t in enumerate(trajs) if t.ok]
     stats: dict[str, float] = {
-        "pool/failed": float(sum(not t.ok for t in trajs)),
-        "pool/retries": float(pool_stats.get("retries", 0)),
-        "pool/skipped_episodes": float(len(trajs) - int(np.sum(keep))),
+        # The pool's own counters (pool/retries, pool/failed, worker deaths, ...) as it keeps them.
+        **{k: float(v) for k, v in pool_stats.items() if k.startswith("pool/")},
+        "pool/skipped_episodes": float(len(trajs) - int(np.sum(keep))),   # left their group or in a short one
         "charts/parl_lambda1": lambdas[0], "charts/parl_lambda2": lambdas[1],
     }
     if ok:
@@ -286,11 +443,12 @@ def _rollout_stats(trajs, shaped, keep, pool_stats, lambdas) -> dict:
     return stats
 
 
-def _save_episodes(run_dir: str, step: int, trajs) -> None:
-    """Every completed episode of the step, as JSONL (nothing a crash later can lose)."""
+def _save_episodes(run_dir: str, step: int, trajs, append: bool = False) -> None:
+    """Every completed episode of the step, as JSONL (nothing a crash later can lose);
+    ``append``: a retried rollout of the same step, kept beside the failed one."""
     path = os.path.join(run_dir, "episodes", f"step_{step:06d}.jsonl")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as fh:
+    with open(path, "a" if append else "w") as fh:
         for t in trajs:
             fh.write(json.dumps(t.to_dict(), default=str) + "\n")
 
@@ -314,18 +472,36 @@ def _hparams(cfg: Config) -> dict:
 
 def cli() -> None:
     """``main`` with the failures a user can fix reported as one line, not a traceback
-    (set AFLOW_RL_TRACEBACK=1 to see it anyway)."""
+    (set AFLOW_RL_TRACEBACK=1 to see it anyway); Ctrl-C says what was kept and how to go on."""
     from aflow_rl.llm.base import LLMError
     from aflow_rl.rollout.pool import PoolError
     from aflow_rl.serving.manager import ServerError
     from aflow_rl.serving.weight_sync import WeightSyncError
+    from aflow_rl.trainer.checkpoint import CheckpointError
 
     try:
         main()
-    except (ConfigError, ServerError, PoolError, WeightSyncError, LLMError) as exc:
+    except (ConfigError, ServerError, PoolError, WeightSyncError, LLMError, CheckpointError, RunFailed) as exc:
         if os.environ.get("AFLOW_RL_TRACEBACK"):
             raise
         sys.exit(f"config error: {exc}" if isinstance(exc, ConfigError) else f"error: {type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:
+        if os.environ.get("AFLOW_RL_TRACEBACK"):
+            raise
+        _interrupted()
+
+
+def _interrupted() -> None:
+    """Ctrl-C: one line on rank 0 (where the last checkpoint is, the command that resumes), exit 130."""
+    from aflow_rl.trainer.console import interrupted_line
+
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            line = interrupted_line(load_config(*_split_args(sys.argv[1:])), sys.argv[0], sys.argv[1:])
+        except Exception as exc:   # the line must come out whatever state the run was in
+            line = f"interrupted ({type(exc).__name__} while finding the last checkpoint: {exc})"
+        print(line, file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

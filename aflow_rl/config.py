@@ -239,6 +239,8 @@ class TrainerConfig:
     log_every: int = _f(1, "TensorBoard scalars every N steps.")
     sample_every: int = _f(10, "TensorBoard text samples of episodes every N steps.")
     sync_timeout_s: float = _f(120.0, "Seconds a weight sync may take before it is an error.")
+    max_failed_step_retries: int = _f(2, "Rollouts of a step run again when every episode failed (a dead server, a broken worker); then the run stops with the episodes' error, without a checkpoint.")
+    checkpoint_check: Literal["sha256", "size"] = _f("sha256", "How checkpoints are verified before resuming: sha256 (manifest hashes, reads every byte) | size (file sizes only, for very large checkpoints).")
 
 
 @dataclass
@@ -434,6 +436,8 @@ def validate(cfg: Config) -> None:
         if cfg.rollout.num_tasks < 1:
             raise ConfigError("trainer.epochs needs a fixed task set: set rollout.num_tasks")
         cfg.trainer.max_steps = -(-cfg.trainer.epochs * cfg.rollout.num_tasks // cfg.rollout.tasks_per_step)
+    if cfg.trainer.max_failed_step_retries < 0:
+        raise ConfigError(f"trainer.max_failed_step_retries: must be at least 0, got {cfg.trainer.max_failed_step_retries}")
     if cfg.env.swarm.min_items > cfg.env.swarm.max_items:
         raise ConfigError("env.swarm.min_items must not exceed env.swarm.max_items")
     if cfg.resume not in ("auto", "never") and not cfg.resume:

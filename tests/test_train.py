@@ -84,7 +84,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
 
     again = subprocess.run(args + ["resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
-    assert "resumed from" in again.stdout and "at step 2" in again.stdout
+    assert f"resumed from step 2 at {os.path.join(run_dir, 'checkpoints', 'step_2')}" in again.stdout
 
     state = json.load(open(os.path.join(run_dir, "checkpoints", "step_3", "trainer_state.json")))
     assert state["step"] == 3 and state["sampler"]["position"] == 6        # no task drawn twice or skipped

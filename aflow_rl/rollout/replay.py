@@ -1,11 +1,14 @@
-"""Read step traces back: print episodes turn by turn, or export transitions for policy datasets.
+"""Read step traces back: a summary, episodes turn by turn, or transitions for policy datasets.
 
-    python -m aflow_rl.rollout.replay runs/x/traces/worker-123.jsonl            # every episode in it
-    python -m aflow_rl.rollout.replay runs/x/traces --episode g3/1              # a folder: all worker files
-    python -m aflow_rl.rollout.replay runs/x/traces --export transitions.jsonl  # (obs, action, reward, next_obs)
+    python -m aflow_rl.rollout.replay runs/x/traces                      # summary: files, episodes, returns
+    python -m aflow_rl.rollout.replay runs/x/traces --list               # one line per episode attempt
+    python -m aflow_rl.rollout.replay runs/x/traces --episode g3/1       # one episode, turn by turn
+    python -m aflow_rl.rollout.replay runs/x/traces --all                # every episode, turn by turn
+    python -m aflow_rl.rollout.replay runs/x/traces --export out.jsonl   # (obs, action, reward, next_obs)
 
-An episode's attempts (retries) are kept apart. A line cut short by a killed
-worker is skipped and counted.
+Paths are trace .jsonl files or folders of them. An episode's attempts
+(retries) are kept apart. A line cut short by a killed worker is skipped and
+counted.
 """
 from __future__ import annotations
 
@@ -21,11 +24,8 @@ Key = tuple[str, Any]  # (episode_id, attempt)
 
 def read_events(paths: Iterable[str]) -> tuple[list[dict], int]:
     """Events from trace files or folders of them, and how many lines were unreadable."""
-    files: list[str] = []
-    for p in paths:
-        files += sorted(glob.glob(os.path.join(p, "*.jsonl"))) if os.path.isdir(p) else [p]
     events, bad = [], 0
-    for path in files:
+    for path in _trace_files(paths):
         with open(path, encoding="utf-8") as fh:
             for line in fh:
                 if not line.strip():
@@ -40,6 +40,13 @@ def read_events(paths: Iterable[str]) -> tuple[list[dict], int]:
                 else:
                     bad += 1
     return events, bad
+
+
+def _trace_files(paths: Iterable[str]) -> list[str]:
+    files: list[str] = []
+    for p in paths:
+        files += sorted(glob.glob(os.path.join(p, "*.jsonl"))) if os.path.isdir(p) else [p]
+    return files
 
 
 def episodes(events: Iterable[dict]) -> dict[Key, list[dict]]:
@@ -100,14 +107,52 @@ def format_episode(key: Key, steps: list[dict], width: int = 400) -> str:
 _KNOWN = {"ts", "episode_id", "group_id", "attempt", "step", "observation", "action", "outcome", "reward", "timings"}
 
 
+def summary(eps: dict[Key, list[dict]], files: int, bad: int) -> str:
+    """A few lines about a set of traces: what is there and how to look closer."""
+    if not eps:
+        return f"{files} trace file(s), no episode events"
+    steps = [len(v) for v in eps.values()]
+    returns = [sum(r["reward"] for r in v if r.get("reward") is not None) for v in eps.values()]
+    ids = sorted({k[0] for k in eps})
+    retried = sum(1 for k in eps if k[1] not in (None, 1))
+    lines = [f"{files} trace file(s), {sum(steps)} step events, {len(eps)} episode attempts of {len(ids)} episodes"
+             + (f" ({retried} retries)" if retried else "") + (f", {bad} unreadable line(s)" if bad else ""),
+             f"steps per attempt: mean {sum(steps) / len(steps):.1f}, max {max(steps)}; "
+             f"return: mean {sum(returns) / len(returns):.4g}, min {min(returns):.4g}, max {max(returns):.4g}",
+             f"episodes: {', '.join(ids[:8])}" + (f" ... (+{len(ids) - 8})" if len(ids) > 8 else ""),
+             "more: --list (one line per attempt), --episode ID (turn by turn), --all, --export OUT.jsonl"]
+    return "\n".join(lines)
+
+
+def listing(eps: dict[Key, list[dict]]) -> str:
+    """One line per episode attempt: id, attempt, group, steps, return."""
+    return "\n".join(format_episode(k, v).splitlines()[0] for k, v in eps.items())
+
+
+def _missing(paths: list[str]) -> str | None:
+    for p in paths:
+        if not os.path.exists(p):
+            return f"no trace file or folder at {p} (a run writes them to run_dir/traces)"
+        if os.path.isdir(p) and not glob.glob(os.path.join(p, "*.jsonl")):
+            return f"no trace files (*.jsonl) in {p}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m aflow_rl.rollout.replay", description=__doc__.split("\n")[0])
     ap.add_argument("traces", nargs="+", help="trace .jsonl files, or folders of them (run_dir/traces)")
-    ap.add_argument("--episode", help="only this episode_id (all its attempts)")
-    ap.add_argument("--export", metavar="OUT.jsonl", help="write (obs, action, reward, next_obs) rows instead of printing")
+    show = ap.add_mutually_exclusive_group()
+    show.add_argument("--episode", help="only this episode_id (all its attempts), turn by turn")
+    show.add_argument("--list", action="store_true", help="one line per episode attempt")
+    show.add_argument("--all", action="store_true", help="every episode, turn by turn (long)")
+    show.add_argument("--export", metavar="OUT.jsonl", help="write (obs, action, reward, next_obs) rows instead of printing")
     ap.add_argument("--width", type=int, default=400, help="longest value printed before it is cut")
     args = ap.parse_args(argv)
 
+    problem = _missing(args.traces)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     events, bad = read_events(args.traces)
     eps = episodes(events)
     if args.episode is not None:
@@ -117,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"episode {args.episode!r} is not in the trace; episodes: {', '.join(known[:20]) or 'none'}"
                   + (" ..." if len(known) > 20 else ""), file=sys.stderr)
             return 1
-    if bad:
+    if bad and (args.episode is not None or args.all or args.export):
         print(f"(skipped {bad} unreadable line(s): a worker killed mid-write leaves at most one per file)",
               file=sys.stderr)
     if args.export:
@@ -127,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         print(f"wrote {len(rows)} transitions from {len(eps)} episode attempts to {args.export}")
-        return 0
-    print("\n\n".join(format_episode(k, v, args.width) for k, v in eps.items()))
+    elif args.episode is not None or args.all:
+        print("\n\n".join(format_episode(k, v, args.width) for k, v in eps.items()))
+    elif args.list:
+        print(listing(eps))
+    else:
+        print(summary(eps, len(_trace_files(args.traces)), bad))
     return 0
 
 

@@ -19,6 +19,7 @@ import contextvars
 import importlib
 import inspect
 import os
+import signal
 import socket
 import sys
 import threading
@@ -332,6 +333,10 @@ def serve_remote(address: Any, authkey: bytes, slot: int, gen: int, spec: str, c
     value repeats it for a pool that hears of the exit before the hello.
     """
     extend_sys_path(sys_path)
+    if threading.current_thread() is threading.main_thread():   # a loky process (not a dask thread)
+        # A terminal's Ctrl-C reaches the whole process group; the trainer stops its pool itself,
+        # and a worker torn down by the same signal mid-read only adds a traceback to its one line.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Client(address, authkey=authkey)
     info = {"pid": os.getpid(), "host": socket.gethostname(), "error": None}
     try:

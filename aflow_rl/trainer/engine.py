@@ -8,12 +8,15 @@
 
 Everything goes through ``deepspeed.initialize``; without CUDA DeepSpeed's CPU
 accelerator runs the same code over a gloo process group. The optimizer is
-DeepSpeed's ``AdamW`` entry with ``torch_adam`` (``torch.optim.AdamW``), so no
-op has to be JIT-compiled; a DeepSpeed JSON (``trainer.deepspeed_config``) can
-switch to FusedAdam or anything else, since its keys win.
+DeepSpeed's ``AdamW`` entry with ``torch_adam`` (``torch.optim.AdamW``), and a
+one-rank CPU group does without DeepSpeed's shared-memory comm op, so no op has
+to be JIT-compiled (several CPU ranks build that op once; a line says so); a
+DeepSpeed JSON (``trainer.deepspeed_config``) can switch to FusedAdam or
+anything else, since its keys win.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,7 +26,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -86,12 +89,48 @@ def setup_distributed(timeout_s: float = 1800.0) -> DistInfo:
         torch.cuda.set_device(local_rank)
     import deepspeed
 
-    # On CPU the first call JIT-compiles DeepSpeed's shared-memory comm op (about a
-    # minute, cached in ~/.cache/torch_extensions afterwards).
+    if not cuda:
+        _plan_shm_comm(int(os.environ["WORLD_SIZE"]), local_rank)
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
     dist = torch.distributed
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+SHM_OP = "deepspeed_shm_comm"
+
+
+def _plan_shm_comm(world_size: int, local_rank: int) -> None:
+    """DeepSpeed's CPU communicator JIT-compiles its shared-memory all-reduce op (C++ with ninja:
+    about 1.5 CPU-minutes, 3 minutes and more on a busy machine) whenever it is created, whatever
+    the world size. One rank never communicates, so the op is marked unavailable and DeepSpeed
+    uses torch.distributed (gloo) as it does wherever the op cannot be built. Several CPU ranks do
+    use it: when it is not in the extension cache yet, one line says that a compile follows."""
+    import deepspeed.ops
+
+    if world_size == 1:
+        # deepspeed.ops.__compatible_ops__ is the table build_shm_op consults; DeepSpeed keeps
+        # one dict per process, so the entry stays off for every communicator created here.
+        deepspeed.ops.__compatible_ops__[SHM_OP] = False
+        return
+    from deepspeed.git_version_info import installed_ops
+
+    if local_rank == 0 and not installed_ops.get(SHM_OP) and deepspeed.ops.__compatible_ops__.get(SHM_OP):
+        cached = _cached_extension(SHM_OP)
+        if cached is False:
+            print(f"compiling DeepSpeed's {SHM_OP} op for {world_size} CPU ranks (once: about 1.5 CPU-minutes, "
+                  "3+ on a busy machine; cached under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)",
+                  flush=True)
+
+
+def _cached_extension(name: str) -> bool | None:
+    """Whether torch's JIT extension cache already holds ``name`` (None: cannot tell)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return os.path.isfile(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
+    except Exception:   # a private helper of torch: its absence must not stop training
+        return None
 
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -208,36 +247,50 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 # ---------------------------------------------------------------------------
 
 
-def _hf_zero3_context(ds_config: dict) -> Any:
-    """With ZeRO-3, an HfDeepSpeedConfig to keep alive so from_pretrained loads the
-    weights already partitioned (``deepspeed.zero.Init``). transformers needs the
-    ``accelerate`` package for that; without it each rank loads the full model and
-    ``deepspeed.initialize`` partitions it afterwards (fine while it fits in host memory)."""
+@contextlib.contextmanager
+def _zero3_loading(ds_config: dict) -> Iterator[None]:
+    """With ZeRO-3, ``from_pretrained`` inside loads the weights already partitioned
+    (``deepspeed.zero.Init``) through transformers' global HfDeepSpeedConfig, which needs
+    the ``accelerate`` package; without it each rank loads the full model and
+    ``deepspeed.initialize`` partitions it afterwards (fine while it fits in host memory).
+
+    The global is cleared on the way out: left set, every later ``from_pretrained`` in the
+    process (an exported checkpoint read back, a model the environment loads) would come out
+    partitioned as well, with 1-D placeholder weights that fail outside a DeepSpeed engine.
+    The engine itself gathers its partitions through the hooks ``deepspeed.initialize`` set.
+    """
     if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
-        return None
+        yield
+        return
     import importlib.util
 
     if importlib.util.find_spec("accelerate") is None:
         log.warning("ZeRO-3 without the accelerate package: every rank loads the full model before partitioning")
-        return None
+        yield
+        return
     from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    return HfDeepSpeedConfig(ds_config)
+    hf_ds = HfDeepSpeedConfig(ds_config)   # transformers holds only a weak reference to it
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_ds
 
 
-def load_policy(model_path: str, tcfg: Any, ds_config: dict | None = None) -> tuple[torch.nn.Module, Any]:
+def load_policy(model_path: str, tcfg: Any, ds_config: dict | None = None) -> torch.nn.Module:
     """The trainable HF causal LM in fp32 (DeepSpeed keeps fp32 master weights and
-    casts the module itself under bf16). Returns ``(model, hf_ds_config)``; the
-    second must stay referenced while ZeRO-3 is in use."""
+    casts the module itself under bf16); under ZeRO-3 already partitioned."""
     from transformers import AutoModelForCausalLM
 
     ds_config = ds_config or build_ds_config(tcfg)
-    hf_ds = _hf_zero3_context(ds_config)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with _zero3_loading(ds_config):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.config.use_cache = False
     if tcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model, hf_ds
+    return model
 
 
 def build_engine(model: str | torch.nn.Module, tcfg: Any, *, ds_config: dict | None = None) -> Any:
@@ -245,16 +298,14 @@ def build_engine(model: str | torch.nn.Module, tcfg: Any, *, ds_config: dict | N
 
     Call :func:`setup_distributed` first. The LR schedule is :func:`warmup_cosine`
     over ``tcfg.max_steps`` optimizer steps unless the DeepSpeed JSON sets a
-    ``scheduler``. The engine's ``module`` is the HF model; ``engine.hf_ds_config``
-    holds the ZeRO-3 loading context.
+    ``scheduler``. The engine's ``module`` is the HF model.
     """
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     ds_config = ds_config or build_ds_config(tcfg)
-    hf_ds = None
     if isinstance(model, str):
-        model, hf_ds = load_policy(model, tcfg, ds_config)
+        model = load_policy(model, tcfg, ds_config)
     elif tcfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0)
@@ -266,7 +317,6 @@ def build_engine(model: str | torch.nn.Module, tcfg: Any, *, ds_config: dict | N
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, weight_decay), config=ds_config,
         lr_scheduler=None if "scheduler" in ds_config else schedule)
-    engine.hf_ds_config = hf_ds
     engine.train()
     return engine
 
@@ -287,10 +337,9 @@ def load_reference(model_path: str, engine: Any) -> Any:
         cfg = {"train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
                "zero_optimization": {"stage": 3}, "bf16": {"enabled": engine.bfloat16_enabled()},
                "steps_per_print": 10**9}
-        hf_ds = _hf_zero3_context(cfg)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        with _zero3_loading(cfg):
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         ref, _, _, _ = deepspeed.initialize(model=model, config=cfg)
-        ref.hf_ds_config = hf_ds
     else:
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(engine.device)
     ref.eval()

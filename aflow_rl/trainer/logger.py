@@ -38,14 +38,17 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 class TBLogger:
     """A ``SummaryWriter`` on rank 0 and nothing elsewhere."""
 
-    def __init__(self, run_dir: str, *, rank: int = 0, flush_secs: int = 10):
+    def __init__(self, run_dir: str, *, rank: int = 0, flush_secs: int = 10, purge_step: int | None = None):
+        """``purge_step``: the first step this writer logs when a run restarts; TensorBoard
+        then drops the records of that step and later that it loaded from earlier files
+        (:mod:`aflow_rl.trainer.records` removes them from the files themselves)."""
         self.log_dir = os.path.join(run_dir, "events")
         self.writer = None
         if rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(self.log_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=self.log_dir, flush_secs=flush_secs)
+            self.writer = SummaryWriter(log_dir=self.log_dir, flush_secs=flush_secs, purge_step=purge_step)
 
     @property
     def enabled(self) -> bool:

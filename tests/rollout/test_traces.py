@@ -116,3 +116,31 @@ def test_replay_exports_transitions(tmp_path):
         ("obs1", {"spawn": 1}, 0.5, "obs2", False),
         ("obs2", {"spawn": 2}, 1.0, None, True)]
     assert len(rows) == 1 + 3 + 1
+
+
+def test_replay_default_is_a_short_summary(tmp_path, capsys):
+    for i in range(50):   # many episodes: the summary stays a few lines
+        episode_scope({"episode_id": f"many{i:02d}", "group_id": "m", "attempt": 1})
+        TraceWriter(str(tmp_path)).event(f"many{i:02d}", step=0, observation="o", action="a", reward=0.25)
+    path = _write_trace(tmp_path)
+    assert replay.main([os.path.dirname(path)]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert len(lines) == 4 and err == ""
+    assert lines[0] == "1 trace file(s), 55 step events, 53 episode attempts of 52 episodes (1 retries), 1 unreadable line(s)"
+    assert lines[1] == "steps per attempt: mean 1.0, max 3; return: mean 0.283, min 0, max 1.5"   # 15 / 53
+    assert lines[2].startswith("episodes: ep1, ep2, many00,") and lines[2].endswith("... (+44)")
+    assert "--episode ID" in lines[3] and "--all" in lines[3]
+    assert replay.main([path, "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == 53 and "== episode ep1  attempt 2  group g  steps 3  return 1.5" in listed
+
+
+def test_replay_missing_path_is_one_line_error(tmp_path):
+    for target, message in [(tmp_path / "nope", f"error: no trace file or folder at {tmp_path / 'nope'} "
+                                                "(a run writes them to run_dir/traces)"),
+                            (tmp_path, f"error: no trace files (*.jsonl) in {tmp_path}")]:
+        proc = subprocess.run([sys.executable, "-m", "aflow_rl.rollout.replay", str(target)],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.splitlines() == [message]

@@ -165,3 +165,23 @@ def test_batch_size_changing_between_calls_steps_once_per_batch(dist_info, tiny_
         stats = train_step(engine, turns, np.linspace(-1, 1, n), algo=AlgoConfig())
         assert engine.global_steps == steps_before + 1, f"call {call}: optimizer stepped mid-batch"
         assert stats["perf/logprob_mismatch"] < 1e-5, (call, stats["perf/logprob_mismatch"])
+
+
+def test_several_cpu_ranks_are_told_before_the_shm_op_compiles(tmp_path, monkeypatch, capsys):
+    """One rank: the op is switched off (tests/test_train_loop.py runs that for real). Several CPU
+    ranks need it; a compile of minutes gets one line first, unless torch's JIT cache has it."""
+    import deepspeed.ops
+
+    from aflow_rl.trainer import engine as eng
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, eng.SHM_OP, True)
+    capsys.readouterr()
+    eng._plan_shm_comm(2, 0)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("compiling DeepSpeed's deepspeed_shm_comm op for 2 CPU ranks (once: ")
+    eng._plan_shm_comm(2, 1)                                            # other local ranks stay quiet
+    (tmp_path / eng.SHM_OP / f"{eng.SHM_OP}.so").write_bytes(b"")      # where the JIT cache keeps the build
+    eng._plan_shm_comm(2, 0)
+    assert capsys.readouterr().out == ""
+    eng._plan_shm_comm(1, 0)
+    assert deepspeed.ops.__compatible_ops__[eng.SHM_OP] is False
