@@ -5,7 +5,12 @@
     {"action": "join", "ids": [0, 1]}                      # [] joins every subagent
     {"action": "tool_call", "tool": "lookup", "args": {"entity": "Arvenia", "attribute": "capital"}}
     {"action": "replan", "scope": "failed"}               # failed | remaining | all
+    {"action": "solve", "subtask": "w3"}                  # env.swarm.solve_action: work an item yourself
     {"action": "finish", "answer": {"w0": "51234", "w1": "Tolmar"}}
+
+``solve`` is the orchestrator doing an item's tool calls itself, serially (what the single-agent
+baseline does one tool call per turn); it is charged exactly as those turns would be (see
+``runtime.SwarmRuntime._do_solve``) and exists only when ``env.swarm.solve_action`` is on.
 
 ``ACTION_SCHEMA`` is what the policy server constrains generation with;
 ``parse_action`` checks the same rules on any text, because a turn generated
@@ -22,7 +27,7 @@ from typing import Any
 from aflow_rl.envs.swarm.profiles import PROFILE_NAMES
 from aflow_rl.envs.swarm.tools import TOOLS
 
-ACTIONS = ("spawn", "assign", "join", "tool_call", "replan", "finish")
+ACTIONS = ("spawn", "assign", "join", "tool_call", "replan", "finish", "solve")
 REPLAN_SCOPES = ("failed", "remaining", "all")
 MAX_SPAWN = 64  # per action; the runtime's concurrency cap is usually lower and checked there
 
@@ -51,10 +56,13 @@ ACTION_SCHEMA: dict = {"anyOf": [
                                              {"type": "object", "additionalProperties": {"type": "string"}}]}},
              ["answer"]),
 ]}
+_SOLVE = _variant("solve", {"subtask": {"type": "string"}}, ["subtask"])
+ACTION_SCHEMA_SOLVE: dict = {"anyOf": [*ACTION_SCHEMA["anyOf"][:-1], _SOLVE, ACTION_SCHEMA["anyOf"][-1]]}
 
 def action_schema_for(view: dict) -> dict:
     """ACTION_SCHEMA narrowed to the current state: item ids are the task's, subagent
-    ids the ones that exist, ``n`` at most the concurrency cap.
+    ids the ones that exist, ``n`` at most the concurrency cap; ``solve`` (on the task's
+    item ids) only when ``view["solve"]`` says the environment offers it.
 
     The grammar then only admits actions that name real things, so a small or
     untrained policy explores decompositions instead of inventing ids; the same
@@ -78,11 +86,13 @@ def action_schema_for(view: dict) -> dict:
         variants.insert(1, _variant("assign", {"subagent": agent_id, "subtask": item}, ["subagent", "subtask"]))
     variants.insert(3, _variant("tool_call", {"tool": {"type": "string", "enum": list(TOOLS)}, "args": _TOOL_ARGS},
                                 ["tool", "args"]))
+    if view.get("solve"):
+        variants.insert(len(variants) - 1, _variant("solve", {"subtask": item}, ["subtask"]))
     return {"anyOf": variants}
 
 
 _FIELDS = {"spawn": {"n", "profile", "subtasks"}, "assign": {"subagent", "subtask"}, "join": {"ids"},
-           "tool_call": {"tool", "args"}, "replan": {"scope"}, "finish": {"answer"}}
+           "tool_call": {"tool", "args"}, "replan": {"scope"}, "finish": {"answer"}, "solve": {"subtask"}}
 
 
 @dataclass(frozen=True)
@@ -163,6 +173,10 @@ def _check(body: dict) -> Action:
         if not isinstance(subtasks, list) or not all(_nonempty_str(s) for s in subtasks):
             raise ValueError("spawn: subtasks must be a list of item ids (strings)")
         return Action(kind, n=n, profile=profile, subtasks=tuple(s.strip() for s in subtasks))
+    if kind == "solve":
+        if not _nonempty_str(body["subtask"]):
+            raise ValueError("solve: subtask must be an item id (string)")
+        return Action(kind, subtask=body["subtask"].strip())
     if kind == "assign":
         if not _is_int(body["subagent"]) or body["subagent"] < 0:
             raise ValueError(f"assign: subagent must be a subagent id (integer >= 0), got {body['subagent']!r}")

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, Action, action_schema_for
+from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, ACTION_SCHEMA_SOLVE, Action, action_schema_for
 from aflow_rl.envs.swarm.observation import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, Observation
 from aflow_rl.envs.swarm.profiles import ORCHESTRATOR_MS_PER_TOKEN_IN, ORCHESTRATOR_MS_PER_TOKEN_OUT, approx_tokens
 from aflow_rl.llm.base import LLMClient
@@ -83,7 +83,9 @@ class ModelPolicy:
         """The grammar of this turn: none, the generic action schema, or the one narrowed to this state."""
         if not self.constrained:
             return None
-        return action_schema_for(obs.view) if self.task_schema else ACTION_SCHEMA
+        if self.task_schema:
+            return action_schema_for(obs.view)
+        return ACTION_SCHEMA_SOLVE if obs.view.get("solve") else ACTION_SCHEMA
 
     def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
         pass
