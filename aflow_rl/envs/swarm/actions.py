@@ -59,10 +59,41 @@ ACTION_SCHEMA: dict = {"anyOf": [
 _SOLVE = _variant("solve", {"subtask": {"type": "string"}}, ["subtask"])
 ACTION_SCHEMA_SOLVE: dict = {"anyOf": [*ACTION_SCHEMA["anyOf"][:-1], _SOLVE, ACTION_SCHEMA["anyOf"][-1]]}
 
-def action_schema_for(view: dict) -> dict:
+def _depth_order(items: list[dict]) -> list[str]:
+    """Item ids by dependency depth, stable within a depth (the order spawn plans them in)."""
+    depth: dict[str, int] = {}
+    by_id = {it["id"]: it for it in items}
+
+    def d(i: str) -> int:
+        if i not in depth:
+            depth[i] = 1 + max((d(x) for x in by_id[i].get("deps", [])), default=-1)
+        return depth[i]
+
+    return sorted(by_id, key=d)
+
+
+def _unplanned(view: dict) -> list[str]:
+    """Items no subtask is working on or has answered, and nobody solved, in dependency order."""
+    live = {st["item"] for st in view.get("subtasks", []) if st["status"] in ("queued", "done")}
+    known = set(view.get("results", {}))
+    return [i for i in _depth_order(view["items"]) if i not in live and i not in known]
+
+
+def _ready(view: dict) -> list[str]:
+    """Items whose inputs are all known and whose own answer is not: what solve can work on."""
+    known = view.get("results", {})
+    return [it["id"] for it in view["items"] if it["id"] not in known and all(d in known for d in it.get("deps", []))]
+
+
+def action_schema_for(view: dict, *, ordered_spawn: bool = False) -> dict:
     """ACTION_SCHEMA narrowed to the current state: item ids are the task's, subagent
-    ids the ones that exist, ``n`` at most the concurrency cap; ``solve`` (on the task's
-    item ids) only when ``view["solve"]`` says the environment offers it.
+    ids the ones that exist, ``n`` at most the concurrency cap; ``solve`` (on the items
+    whose inputs are known and whose answer is not) only when ``view["solve"]`` says
+    the environment offers it.
+
+    ``ordered_spawn`` narrows spawn further: its subtasks are the next k unplanned
+    items in dependency order (a prefix, k >= 1), so a small policy decides how much
+    to delegate instead of spelling out (or repeating) every id.
 
     The grammar then only admits actions that name real things, so a small or
     untrained policy explores decompositions instead of inventing ids; the same
@@ -72,22 +103,31 @@ def action_schema_for(view: dict) -> dict:
     agents = len(view.get("subagents", []))
     item = {"type": "string", "enum": items}
     agent_id = {"type": "integer", "minimum": 0, "maximum": max(agents - 1, 0)}
+    if ordered_spawn:
+        todo = _unplanned(view)
+        subtasks = {"type": "array", "prefixItems": [{"const": i} for i in todo], "items": False, "minItems": 1}
+    else:
+        todo, subtasks = items, {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}
     variants = [
-        _variant("spawn", {"n": {"type": "integer", "minimum": 1, "maximum": max(1, int(view["max_concurrent"]))},
-                           "profile": {"type": "string", "enum": list(PROFILE_NAMES)},
-                           "subtasks": {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}},
-                 ["n", "profile", "subtasks"]),
         _variant("join", {"ids": {"type": "array", "items": agent_id, "maxItems": agents}}, ["ids"]),
         _variant("replan", {"scope": {"type": "string", "enum": list(REPLAN_SCOPES)}}, ["scope"]),
         _variant("finish", {"answer": {"type": "object", "properties": {i: {"type": "string"} for i in items},
                                        "additionalProperties": False}}, ["answer"]),
     ]
+    if todo:  # nothing left to plan: no spawn
+        variants.insert(0, _variant("spawn", {"n": {"type": "integer", "minimum": 1,
+                                                    "maximum": max(1, int(view["max_concurrent"]))},
+                                              "profile": {"type": "string", "enum": list(PROFILE_NAMES)},
+                                              "subtasks": subtasks}, ["n", "profile", "subtasks"]))
     if agents:  # assign needs an existing subagent
-        variants.insert(1, _variant("assign", {"subagent": agent_id, "subtask": item}, ["subagent", "subtask"]))
-    variants.insert(3, _variant("tool_call", {"tool": {"type": "string", "enum": list(TOOLS)}, "args": _TOOL_ARGS},
-                                ["tool", "args"]))
-    if view.get("solve"):
-        variants.insert(len(variants) - 1, _variant("solve", {"subtask": item}, ["subtask"]))
+        variants.insert(1 if todo else 0, _variant("assign", {"subagent": agent_id, "subtask": item},
+                                                   ["subagent", "subtask"]))
+    variants.insert(len(variants) - 2, _variant("tool_call", {"tool": {"type": "string", "enum": list(TOOLS)},
+                                                              "args": _TOOL_ARGS}, ["tool", "args"]))
+    ready = _ready(view) if view.get("solve") else []
+    if ready:
+        variants.insert(len(variants) - 1, _variant("solve", {"subtask": {"type": "string", "enum": ready}},
+                                                    ["subtask"]))
     return {"anyOf": variants}
 
 

@@ -60,8 +60,10 @@ class ModelPolicy:
     name = "model"
 
     def __init__(self, client: LLMClient, tokenizer: Any, *, temperature: float = 1.0, max_new_tokens: int = 96,
-                 constrained: bool = True, task_schema: bool = False, compact: bool = False):
+                 constrained: bool = True, task_schema: bool = False, compact: bool = False,
+                 ordered_spawn: bool = False):
         self.client, self.tokenizer = client, tokenizer
+        self.ordered_spawn = ordered_spawn
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.constrained, self.task_schema = constrained, task_schema
         self.system_prompt = COMPACT_SYSTEM_PROMPT if compact else SYSTEM_PROMPT
@@ -84,7 +86,7 @@ class ModelPolicy:
         if not self.constrained:
             return None
         if self.task_schema:
-            return action_schema_for(obs.view)
+            return action_schema_for(obs.view, ordered_spawn=self.ordered_spawn)
         return ACTION_SCHEMA_SOLVE if obs.view.get("solve") else ACTION_SCHEMA
 
     def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
@@ -100,7 +102,8 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
                              "(workers.swarm_worker.init_worker builds them from llm.policy and serving.policy)")
         return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
-                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt == "compact")
+                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt == "compact",
+                           ordered_spawn=cfg.env.swarm.ordered_spawn)
     # baselines import this module for Decision; importing them here, at call time, avoids the cycle.
     from aflow_rl.envs.swarm.baselines import make_baseline
 

@@ -64,3 +64,50 @@ def test_auto_answer_scores_collected_results(auto):
         assert traj.info["answer"] == task["gold"]
     else:     # an empty finish answers nothing
         assert traj.reward_components["r_perf"] == 0.0
+
+
+MIXED_VIEW = {"items": [{"id": "c0h0", "deps": []}, {"id": "c0h1", "deps": ["c0h0"]}, {"id": "c1h0", "deps": []},
+                        {"id": "sum", "deps": ["c0h1", "c1h0"]}],
+              "subagents": [], "subtasks": [], "results": {}, "max_concurrent": 4, "solve": True}
+
+
+def _variant(schema, kind):
+    return next((v for v in schema["anyOf"] if v["properties"]["action"]["enum"] == [kind]), None)
+
+
+def test_ordered_spawn_admits_prefixes_of_the_unplanned_items_in_dependency_order():
+    schema = action_schema_for(MIXED_VIEW, ordered_spawn=True)
+    spawn = lambda ids: {"action": "spawn", "n": 2, "profile": "large", "subtasks": ids}
+    for ok in (["c0h0"], ["c0h0", "c1h0"], ["c0h0", "c1h0", "c0h1"], ["c0h0", "c1h0", "c0h1", "sum"]):
+        jsonschema.validate(spawn(ok), schema)
+        assert parse_action(json.dumps(spawn(ok))).ok
+    for bad in ([], ["c1h0"], ["c0h0", "c0h1"], ["c0h0", "c0h0"], ["c0h0", "c1h0", "c0h1", "sum", "c0h0"]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(spawn(bad), schema)
+    # c0h0 is queued on #0 and c1h0 done: the next prefix starts at c0h1; a failed item is unplanned again.
+    later = {**MIXED_VIEW, "subagents": [{}, {}],
+             "subtasks": [{"item": "c0h0", "status": "queued"}, {"item": "c1h0", "status": "done"},
+                          {"item": "c0h1", "status": "failed"}], "results": {"c1h0": "7"}}
+    prefix = _variant(action_schema_for(later, ordered_spawn=True), "spawn")["properties"]["subtasks"]["prefixItems"]
+    assert [p["const"] for p in prefix] == ["c0h1", "sum"]
+    planned = {**later, "subtasks": later["subtasks"][:2] + [{"item": "c0h1", "status": "queued"},
+                                                           {"item": "sum", "status": "queued"}]}
+    assert _variant(action_schema_for(planned, ordered_spawn=True), "spawn") is None
+    assert _variant(action_schema_for(planned), "spawn") is not None      # without ordering: any item
+
+
+def test_solve_is_offered_on_the_items_whose_inputs_are_known():
+    ready = lambda view: _variant(action_schema_for(view), "solve")["properties"]["subtask"]["enum"]
+    assert ready(MIXED_VIEW) == ["c0h0", "c1h0"]
+    assert ready({**MIXED_VIEW, "results": {"c0h0": "x", "c1h0": "y"}}) == ["c0h1"]
+    assert ready({**MIXED_VIEW, "results": {"c0h0": "x", "c1h0": "y", "c0h1": "z"}}) == ["sum"]
+    everything = {"c0h0": "x", "c1h0": "y", "c0h1": "z", "sum": "w"}
+    assert _variant(action_schema_for({**MIXED_VIEW, "results": everything}), "solve") is None
+    assert _variant(action_schema_for({**MIXED_VIEW, "solve": False}), "solve") is None
+
+
+def test_narrowed_schemas_compile_with_xgrammar(tiny_model_dir):
+    from aflow_rl.serving.grammar import GrammarBackend
+
+    backend = GrammarBackend.from_pretrained(tiny_model_dir)
+    assert backend.compile({"json_schema": json.dumps(action_schema_for(MIXED_VIEW, ordered_spawn=True))})
