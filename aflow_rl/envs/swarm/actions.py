@@ -30,6 +30,7 @@ from aflow_rl.envs.swarm.tools import TOOLS
 ACTIONS = ("spawn", "assign", "join", "tool_call", "replan", "finish", "solve")
 REPLAN_SCOPES = ("failed", "remaining", "all")
 MAX_SPAWN = 64  # per action; the runtime's concurrency cap is usually lower and checked there
+MAX_VALUE_CHARS = 32  # narrowed schema: longest answer value (the knowledge base's longest is 12 characters)
 
 
 def _variant(name: str, props: dict, required: list[str]) -> dict:
@@ -91,6 +92,10 @@ def action_schema_for(view: dict, *, ordered_spawn: bool = False) -> dict:
     whose inputs are known and whose answer is not) only when ``view["solve"]`` says
     the environment offers it.
 
+    With ``solve`` offered, raw ``tool_call`` is left out (solve makes the same
+    lookups, item by item, and a free-text argument is where a small policy
+    loses its token budget); answer values are at most ``MAX_VALUE_CHARS`` long.
+
     ``ordered_spawn`` narrows spawn further: its subtasks are the next k unplanned
     items in dependency order (a prefix, k >= 1), so a small policy decides how much
     to delegate instead of spelling out (or repeating) every id.
@@ -108,10 +113,11 @@ def action_schema_for(view: dict, *, ordered_spawn: bool = False) -> dict:
         subtasks = {"type": "array", "prefixItems": [{"const": i} for i in todo], "items": False, "minItems": 1}
     else:
         todo, subtasks = items, {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}
+    value = {"type": "string", "maxLength": MAX_VALUE_CHARS}
     variants = [
         _variant("join", {"ids": {"type": "array", "items": agent_id, "maxItems": agents}}, ["ids"]),
         _variant("replan", {"scope": {"type": "string", "enum": list(REPLAN_SCOPES)}}, ["scope"]),
-        _variant("finish", {"answer": {"type": "object", "properties": {i: {"type": "string"} for i in items},
+        _variant("finish", {"answer": {"type": "object", "properties": {i: value for i in items},
                                        "additionalProperties": False}}, ["answer"]),
     ]
     if todo:  # nothing left to plan: no spawn
@@ -122,8 +128,9 @@ def action_schema_for(view: dict, *, ordered_spawn: bool = False) -> dict:
     if agents:  # assign needs an existing subagent
         variants.insert(1 if todo else 0, _variant("assign", {"subagent": agent_id, "subtask": item},
                                                    ["subagent", "subtask"]))
-    variants.insert(len(variants) - 2, _variant("tool_call", {"tool": {"type": "string", "enum": list(TOOLS)},
-                                                              "args": _TOOL_ARGS}, ["tool", "args"]))
+    if not view.get("solve"):  # solve does the orchestrator's own lookups item by item; raw calls add nothing
+        variants.insert(len(variants) - 2, _variant("tool_call", {"tool": {"type": "string", "enum": list(TOOLS)},
+                                                                  "args": _TOOL_ARGS}, ["tool", "args"]))
     ready = _ready(view) if view.get("solve") else []
     if ready:
         variants.insert(len(variants) - 1, _variant("solve", {"subtask": {"type": "string", "enum": ready}},

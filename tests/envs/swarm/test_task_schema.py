@@ -111,3 +111,12 @@ def test_narrowed_schemas_compile_with_xgrammar(tiny_model_dir):
 
     backend = GrammarBackend.from_pretrained(tiny_model_dir)
     assert backend.compile({"json_schema": json.dumps(action_schema_for(MIXED_VIEW, ordered_spawn=True))})
+
+
+def test_with_solve_the_narrowed_schema_leaves_out_raw_tool_calls_and_bounds_answer_values():
+    assert _variant(action_schema_for(MIXED_VIEW), "tool_call") is None
+    assert _variant(action_schema_for({**MIXED_VIEW, "solve": False}), "tool_call") is not None
+    schema = action_schema_for(MIXED_VIEW)
+    jsonschema.validate({"action": "finish", "answer": {"sum": "x" * 32}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"action": "finish", "answer": {"sum": "x" * 33}}, schema)
