@@ -97,11 +97,13 @@ async def _run_row(tasks: list[dict], ctx: WorkerContext, concurrency: int) -> l
 
 
 def run_bench(policies: list[str], suites: list[str], n: int, seed: int, overrides: list[str] = (),
-              concurrency: int = 4, config: str | None = None, objective_coef: float | None = None) -> dict[str, Any]:
+              concurrency: int = 4, config: str | None = None, objective_coef: float | None = None,
+              task_filter: Any = None) -> dict[str, Any]:
     """Run every (policy, suite) pair; returns ``{"machine", "date", "args", "rows", "bar"}``.
 
     ``config``: a recipe YAML whose environment the rows use (``overrides`` apply on top);
-    ``objective_coef``: c of the reported objective (default: the config's ``env.swarm.latency_coef``).
+    ``objective_coef``: c of the reported objective (default: the config's ``env.swarm.latency_coef``);
+    ``task_filter``: keep only the tasks it accepts (the seed's first n that pass; held-out evaluation).
     """
     from workers.swarm_worker import init_worker
 
@@ -124,7 +126,7 @@ def run_bench(policies: list[str], suites: list[str], n: int, seed: int, overrid
             for suite in suites:
                 cfg = load_config(config, base + [f"env.swarm.suite={suite}"])
                 coef = cfg.env.swarm.latency_coef if objective_coef is None else objective_coef
-                tasks = make_tasks(cfg, n, seed)
+                tasks = _draw(cfg, n, seed, task_filter)
                 ctx = WorkerContext(config=cfg, urls=urls)  # fresh policy per row: the bandit starts blank
                 init_worker(ctx)
                 t0 = time.perf_counter()
@@ -137,6 +139,16 @@ def run_bench(policies: list[str], suites: list[str], n: int, seed: int, overrid
             "args": {"policies": policies, "suites": suites, "n": n, "seed": seed, "overrides": list(overrides),
                      "config": config},
             "rows": rows, "bar": bar_check(rows)}
+
+
+def _draw(cfg: Any, n: int, seed: int, task_filter: Any) -> list[dict]:
+    """The seed's first ``n`` tasks that ``task_filter`` accepts (task i depends only on seed and i)."""
+    if task_filter is None:
+        return make_tasks(cfg, n, seed)
+    tasks = [t for t in make_tasks(cfg, 4 * n + 16, seed) if task_filter(t)][:n]
+    if len(tasks) < n:
+        raise RuntimeError(f"only {len(tasks)} of {4 * n + 16} tasks of seed {seed} pass the filter; need {n}")
+    return tasks
 
 
 def parse_pressure(spec: str) -> tuple[str, list[Any]]:

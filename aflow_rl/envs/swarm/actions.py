@@ -60,8 +60,8 @@ ACTION_SCHEMA: dict = {"anyOf": [
 _SOLVE = _variant("solve", {"subtask": {"type": "string"}}, ["subtask"])
 ACTION_SCHEMA_SOLVE: dict = {"anyOf": [*ACTION_SCHEMA["anyOf"][:-1], _SOLVE, ACTION_SCHEMA["anyOf"][-1]]}
 
-def _depth_order(items: list[dict]) -> list[str]:
-    """Item ids by dependency depth, stable within a depth (the order spawn plans them in)."""
+def _depths(items: list[dict]) -> dict[str, int]:
+    """Dependency depth of each item id (0: no dependencies)."""
     depth: dict[str, int] = {}
     by_id = {it["id"]: it for it in items}
 
@@ -70,14 +70,21 @@ def _depth_order(items: list[dict]) -> list[str]:
             depth[i] = 1 + max((d(x) for x in by_id[i].get("deps", [])), default=-1)
         return depth[i]
 
-    return sorted(by_id, key=d)
+    for i in by_id:
+        d(i)
+    return depth
+
+
+def _live(view: dict) -> set[str]:
+    """Items a subtask is working on or has answered, or the orchestrator solved."""
+    return {st["item"] for st in view.get("subtasks", []) if st["status"] in ("queued", "done")} | set(
+        view.get("results", {}))
 
 
 def _unplanned(view: dict) -> list[str]:
-    """Items no subtask is working on or has answered, and nobody solved, in dependency order."""
-    live = {st["item"] for st in view.get("subtasks", []) if st["status"] in ("queued", "done")}
-    known = set(view.get("results", {}))
-    return [i for i in _depth_order(view["items"]) if i not in live and i not in known]
+    """Items nothing is working on and nobody answered, in dependency order (stable within a depth)."""
+    depth, live = _depths(view["items"]), _live(view)
+    return sorted((it["id"] for it in view["items"] if it["id"] not in live), key=lambda i: depth[i])
 
 
 def _ready(view: dict) -> list[str]:
@@ -86,7 +93,35 @@ def _ready(view: dict) -> list[str]:
     return [it["id"] for it in view["items"] if it["id"] not in known and all(d in known for d in it.get("deps", []))]
 
 
-def action_schema_for(view: dict, *, ordered_spawn: bool = False) -> dict:
+def _level_prefixes(view: dict) -> dict:
+    """Spawn's subtasks under ``effective``: the unplanned items of the first L dependency levels,
+    L >= 1, in order (each option an exact array)."""
+    depth, todo = _depths(view["items"]), _unplanned(view)
+    options = [todo[:k] for k in range(1, len(todo) + 1) if k == len(todo) or depth[todo[k]] != depth[todo[k - 1]]]
+    arrays = [{"type": "array", "prefixItems": [{"const": i} for i in o], "items": False, "minItems": len(o)}
+              for o in options]
+    return arrays[0] if len(arrays) == 1 else {"anyOf": arrays}
+
+
+def _effective_variants(view: dict, agent_id: dict) -> dict[str, dict | None]:
+    """spawn / assign / join / replan restricted to what changes the state (None: not offered)."""
+    todo, live = _unplanned(view), _live(view)
+    items = {it["id"]: it for it in view["items"]}
+    plannable = [i for i in todo if all(d in live for d in items[i].get("deps", []))]
+    latest = {st["item"]: st["status"] for st in view.get("subtasks", [])}
+    failed = any(latest[i] in ("failed", "skipped") for i in todo if i in latest)
+    queued = any(g.get("queue") for g in view.get("subagents", []))
+    scopes = (["failed"] if failed else []) + (["remaining", "all"] if queued else [])
+    return {
+        "spawn": _level_prefixes(view) if todo else None,
+        "assign": {"subagent": agent_id, "subtask": {"type": "string", "enum": plannable}}
+        if view.get("subagents") and plannable else None,
+        "join": {"ids": {"type": "array", "items": agent_id, "maxItems": len(view["subagents"])}} if queued else None,
+        "replan": {"scope": {"type": "string", "enum": scopes}} if scopes else None,
+    }
+
+
+def action_schema_for(view: dict, *, effective: bool = False) -> dict:
     """ACTION_SCHEMA narrowed to the current state: item ids are the task's, subagent
     ids the ones that exist, ``n`` at most the concurrency cap; ``solve`` (on the items
     whose inputs are known and whose answer is not) only when ``view["solve"]`` says
@@ -96,9 +131,13 @@ def action_schema_for(view: dict, *, ordered_spawn: bool = False) -> dict:
     lookups, item by item, and a free-text argument is where a small policy
     loses its token budget); answer values are at most ``MAX_VALUE_CHARS`` long.
 
-    ``ordered_spawn`` narrows spawn further: its subtasks are the next k unplanned
-    items in dependency order (a prefix, k >= 1), so a small policy decides how much
-    to delegate instead of spelling out (or repeating) every id.
+    ``effective`` (``env.swarm.effective_actions``) admits only actions that change
+    the state: spawn delegates whole dependency levels of the unplanned items, in
+    order (the first L levels, L >= 1: a small policy chooses how much to delegate
+    instead of spelling out or repeating ids); assign only an unplanned item whose
+    inputs are live; join only while work is queued; replan only on failed or
+    queued work. Once every item is answered and nothing runs, finish is the only
+    action left.
 
     The grammar then only admits actions that name real things, so a small or
     untrained policy explores decompositions instead of inventing ids; the same
@@ -108,34 +147,26 @@ def action_schema_for(view: dict, *, ordered_spawn: bool = False) -> dict:
     agents = len(view.get("subagents", []))
     item = {"type": "string", "enum": items}
     agent_id = {"type": "integer", "minimum": 0, "maximum": max(agents - 1, 0)}
-    if ordered_spawn:
-        todo = _unplanned(view)
-        subtasks = {"type": "array", "prefixItems": [{"const": i} for i in todo], "items": False, "minItems": 1}
-    else:
-        todo, subtasks = items, {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}
+    n = {"type": "integer", "minimum": 1, "maximum": max(1, int(view["max_concurrent"]))}
     value = {"type": "string", "maxLength": MAX_VALUE_CHARS}
-    variants = [
-        _variant("join", {"ids": {"type": "array", "items": agent_id, "maxItems": agents}}, ["ids"]),
-        _variant("replan", {"scope": {"type": "string", "enum": list(REPLAN_SCOPES)}}, ["scope"]),
-        _variant("finish", {"answer": {"type": "object", "properties": {i: value for i in items},
-                                       "additionalProperties": False}}, ["answer"]),
-    ]
-    if todo:  # nothing left to plan: no spawn
-        variants.insert(0, _variant("spawn", {"n": {"type": "integer", "minimum": 1,
-                                                    "maximum": max(1, int(view["max_concurrent"]))},
-                                              "profile": {"type": "string", "enum": list(PROFILE_NAMES)},
-                                              "subtasks": subtasks}, ["n", "profile", "subtasks"]))
-    if agents:  # assign needs an existing subagent
-        variants.insert(1 if todo else 0, _variant("assign", {"subagent": agent_id, "subtask": item},
-                                                   ["subagent", "subtask"]))
+    if effective:
+        props = _effective_variants(view, agent_id)
+    else:
+        props = {"spawn": {"subtasks": {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}},
+                 "assign": {"subagent": agent_id, "subtask": item} if agents else None,
+                 "join": {"ids": {"type": "array", "items": agent_id, "maxItems": agents}},
+                 "replan": {"scope": {"type": "string", "enum": list(REPLAN_SCOPES)}}}
+    if props["spawn"] is not None:
+        subtasks = props["spawn"]["subtasks"] if "subtasks" in props["spawn"] else props["spawn"]
+        props["spawn"] = {"n": n, "profile": {"type": "string", "enum": list(PROFILE_NAMES)}, "subtasks": subtasks}
     if not view.get("solve"):  # solve does the orchestrator's own lookups item by item; raw calls add nothing
-        variants.insert(len(variants) - 2, _variant("tool_call", {"tool": {"type": "string", "enum": list(TOOLS)},
-                                                                  "args": _TOOL_ARGS}, ["tool", "args"]))
+        props["tool_call"] = {"tool": {"type": "string", "enum": list(TOOLS)}, "args": _TOOL_ARGS}
     ready = _ready(view) if view.get("solve") else []
-    if ready:
-        variants.insert(len(variants) - 1, _variant("solve", {"subtask": {"type": "string", "enum": ready}},
-                                                    ["subtask"]))
-    return {"anyOf": variants}
+    props["solve"] = {"subtask": {"type": "string", "enum": ready}} if ready else None
+    props["finish"] = {"answer": {"type": "object", "properties": {i: value for i in items},
+                                  "additionalProperties": False}}
+    order = ("spawn", "assign", "join", "tool_call", "replan", "solve", "finish")
+    return {"anyOf": [_variant(k, props[k], list(props[k])) for k in order if props.get(k) is not None]}
 
 
 _FIELDS = {"spawn": {"n", "profile", "subtasks"}, "assign": {"subagent", "subtask"}, "join": {"ids"},

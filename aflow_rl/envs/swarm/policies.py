@@ -61,9 +61,9 @@ class ModelPolicy:
 
     def __init__(self, client: LLMClient, tokenizer: Any, *, temperature: float = 1.0, max_new_tokens: int = 96,
                  constrained: bool = True, task_schema: bool = False, compact: bool = False,
-                 ordered_spawn: bool = False):
+                 effective_actions: bool = False):
         self.client, self.tokenizer = client, tokenizer
-        self.ordered_spawn = ordered_spawn
+        self.effective_actions = effective_actions
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.constrained, self.task_schema = constrained, task_schema
         self.system_prompt = COMPACT_SYSTEM_PROMPT if compact else SYSTEM_PROMPT
@@ -86,7 +86,7 @@ class ModelPolicy:
         if not self.constrained:
             return None
         if self.task_schema:
-            return action_schema_for(obs.view, ordered_spawn=self.ordered_spawn)
+            return action_schema_for(obs.view, effective=self.effective_actions)
         return ACTION_SCHEMA_SOLVE if obs.view.get("solve") else ACTION_SCHEMA
 
     def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
@@ -103,7 +103,7 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
         return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
                            task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt == "compact",
-                           ordered_spawn=cfg.env.swarm.ordered_spawn)
+                           effective_actions=cfg.env.swarm.effective_actions)
     # baselines import this module for Decision; importing them here, at call time, avoids the cycle.
     from aflow_rl.envs.swarm.baselines import make_baseline
 

@@ -75,25 +75,47 @@ def _variant(schema, kind):
     return next((v for v in schema["anyOf"] if v["properties"]["action"]["enum"] == [kind]), None)
 
 
-def test_ordered_spawn_admits_prefixes_of_the_unplanned_items_in_dependency_order():
-    schema = action_schema_for(MIXED_VIEW, ordered_spawn=True)
+def _kinds(schema):
+    return [v["properties"]["action"]["enum"][0] for v in schema["anyOf"]]
+
+
+def test_effective_spawn_delegates_whole_dependency_levels_in_order():
+    schema = action_schema_for(MIXED_VIEW, effective=True)
     spawn = lambda ids: {"action": "spawn", "n": 2, "profile": "large", "subtasks": ids}
-    for ok in (["c0h0"], ["c0h0", "c1h0"], ["c0h0", "c1h0", "c0h1"], ["c0h0", "c1h0", "c0h1", "sum"]):
+    # levels: {c0h0, c1h0} (depth 0), {c0h1} (depth 1), {sum} (depth 2)
+    for ok in (["c0h0", "c1h0"], ["c0h0", "c1h0", "c0h1"], ["c0h0", "c1h0", "c0h1", "sum"]):
         jsonschema.validate(spawn(ok), schema)
         assert parse_action(json.dumps(spawn(ok))).ok
-    for bad in ([], ["c1h0"], ["c0h0", "c0h1"], ["c0h0", "c0h0"], ["c0h0", "c1h0", "c0h1", "sum", "c0h0"]):
+    for bad in ([], ["c0h0"], ["c1h0", "c0h0"], ["c0h0", "c0h1"], ["c0h0", "c0h0"],
+                ["c0h0", "c1h0", "c0h1", "sum", "c0h0"]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(spawn(bad), schema)
-    # c0h0 is queued on #0 and c1h0 done: the next prefix starts at c0h1; a failed item is unplanned again.
-    later = {**MIXED_VIEW, "subagents": [{}, {}],
+    # c0h0 is queued on #0, c1h0 done, c0h1 failed: unplanned are c0h1 and sum (levels 1 and 2)
+    later = {**MIXED_VIEW, "subagents": [{"queue": ["c0h0"]}, {"queue": []}],
              "subtasks": [{"item": "c0h0", "status": "queued"}, {"item": "c1h0", "status": "done"},
                           {"item": "c0h1", "status": "failed"}], "results": {"c1h0": "7"}}
-    prefix = _variant(action_schema_for(later, ordered_spawn=True), "spawn")["properties"]["subtasks"]["prefixItems"]
-    assert [p["const"] for p in prefix] == ["c0h1", "sum"]
-    planned = {**later, "subtasks": later["subtasks"][:2] + [{"item": "c0h1", "status": "queued"},
-                                                           {"item": "sum", "status": "queued"}]}
-    assert _variant(action_schema_for(planned, ordered_spawn=True), "spawn") is None
-    assert _variant(action_schema_for(planned), "spawn") is not None      # without ordering: any item
+    options = _variant(action_schema_for(later, effective=True), "spawn")["properties"]["subtasks"]["anyOf"]
+    assert [[p["const"] for p in o["prefixItems"]] for o in options] == [["c0h1"], ["c0h1", "sum"]]
+    eff = action_schema_for(later, effective=True)
+    assert _variant(eff, "replan")["properties"]["scope"]["enum"] == ["failed", "remaining", "all"]
+    assert _variant(eff, "assign")["properties"]["subtask"]["enum"] == ["c0h1"]   # its input c0h0 is live
+    assert "join" in _kinds(eff)
+
+
+def test_effective_schema_offers_only_actions_that_change_the_state():
+    assert _kinds(action_schema_for(MIXED_VIEW, effective=True)) == ["spawn", "solve", "finish"]
+    # everything answered, nothing queued: finish is all that is left
+    done = {**MIXED_VIEW, "subagents": [{"queue": []}],
+            "subtasks": [{"item": i, "status": "done"} for i in ("c0h0", "c1h0", "c0h1", "sum")],
+            "results": {"c0h0": "a", "c1h0": "b", "c0h1": "c", "sum": "d"}}
+    assert _kinds(action_schema_for(done, effective=True)) == ["finish"]
+    assert _kinds(action_schema_for(done)) == ["spawn", "assign", "join", "replan", "finish"]  # without: no-ops too
+    # all planned and queued: join (and cancelling replans), no spawn or assign
+    planned = {**done, "subagents": [{"queue": ["sum"]}], "results": {"c0h0": "a", "c1h0": "b", "c0h1": "c"},
+               "subtasks": done["subtasks"][:3] + [{"item": "sum", "status": "queued"}]}
+    assert _kinds(action_schema_for(planned, effective=True)) == ["join", "replan", "solve", "finish"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"action": "replan", "scope": "failed"}, action_schema_for(planned, effective=True))
 
 
 def test_solve_is_offered_on_the_items_whose_inputs_are_known():
@@ -110,7 +132,7 @@ def test_narrowed_schemas_compile_with_xgrammar(tiny_model_dir):
     from aflow_rl.serving.grammar import GrammarBackend
 
     backend = GrammarBackend.from_pretrained(tiny_model_dir)
-    assert backend.compile({"json_schema": json.dumps(action_schema_for(MIXED_VIEW, ordered_spawn=True))})
+    assert backend.compile({"json_schema": json.dumps(action_schema_for(MIXED_VIEW, effective=True))})
 
 
 def test_with_solve_the_narrowed_schema_leaves_out_raw_tool_calls_and_bounds_answer_values():
