@@ -88,9 +88,14 @@ def _unplanned(view: dict) -> list[str]:
 
 
 def _ready(view: dict) -> list[str]:
-    """Items whose inputs are all known and whose own answer is not: what solve can work on."""
+    """What solve can work on: items whose inputs are known, whose answer is not, and whose
+    lookups fit the orchestrator's tool calls and turns left (``runtime._do_solve``'s rule)."""
     known = view.get("results", {})
-    return [it["id"] for it in view["items"] if it["id"] not in known and all(d in known for d in it.get("deps", []))]
+    calls_left = view.get("max_tool_calls", 1 << 30) - view.get("tool_calls", 0)
+    turns_left = view.get("max_steps", 1 << 30) - view.get("step", 0)
+    need = lambda it: 1 if "op" in it else len(it.get("path", ()))  # noqa: E731 - tasks.tool_steps
+    return [it["id"] for it in view["items"] if it["id"] not in known and all(d in known for d in it.get("deps", []))
+            and need(it) <= min(calls_left, turns_left)]
 
 
 def _level_prefixes(view: dict) -> dict:
@@ -103,10 +108,12 @@ def _level_prefixes(view: dict) -> dict:
     return arrays[0] if len(arrays) == 1 else {"anyOf": arrays}
 
 
-def _effective_variants(view: dict, agent_id: dict) -> dict[str, dict | None]:
+def _effective_variants(view: dict) -> dict[str, dict | None]:
     """spawn / assign / join / replan restricted to what changes the state (None: not offered)."""
     todo, live = _unplanned(view), _live(view)
     items = {it["id"]: it for it in view["items"]}
+    active = [g["id"] for g in view.get("subagents", []) if not g.get("retired")]
+    agent_id = {"type": "integer", "enum": active}
     plannable = [i for i in todo if all(d in live for d in items[i].get("deps", []))]
     latest = {st["item"]: st["status"] for st in view.get("subtasks", [])}
     failed = any(latest[i] in ("failed", "skipped") for i in todo if i in latest)
@@ -115,8 +122,8 @@ def _effective_variants(view: dict, agent_id: dict) -> dict[str, dict | None]:
     return {
         "spawn": _level_prefixes(view) if todo else None,
         "assign": {"subagent": agent_id, "subtask": {"type": "string", "enum": plannable}}
-        if view.get("subagents") and plannable else None,
-        "join": {"ids": {"type": "array", "items": agent_id, "maxItems": len(view["subagents"])}} if queued else None,
+        if active and plannable else None,
+        "join": {"ids": {"type": "array", "items": agent_id, "maxItems": len(active)}} if queued else None,
         "replan": {"scope": {"type": "string", "enum": scopes}} if scopes else None,
     }
 
@@ -150,7 +157,7 @@ def action_schema_for(view: dict, *, effective: bool = False) -> dict:
     n = {"type": "integer", "minimum": 1, "maximum": max(1, int(view["max_concurrent"]))}
     value = {"type": "string", "maxLength": MAX_VALUE_CHARS}
     if effective:
-        props = _effective_variants(view, agent_id)
+        props = _effective_variants(view)
     else:
         props = {"spawn": {"subtasks": {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}},
                  "assign": {"subagent": agent_id, "subtask": item} if agents else None,

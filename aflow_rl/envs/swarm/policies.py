@@ -102,7 +102,7 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
                              "(workers.swarm_worker.init_worker builds them from llm.policy and serving.policy)")
         return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
-                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt == "compact",
+                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt in ("compact", "shape"),
                            effective_actions=cfg.env.swarm.effective_actions)
     # baselines import this module for Decision; importing them here, at call time, avoids the cycle.
     from aflow_rl.envs.swarm.baselines import make_baseline

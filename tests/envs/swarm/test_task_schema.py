@@ -91,7 +91,7 @@ def test_effective_spawn_delegates_whole_dependency_levels_in_order():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(spawn(bad), schema)
     # c0h0 is queued on #0, c1h0 done, c0h1 failed: unplanned are c0h1 and sum (levels 1 and 2)
-    later = {**MIXED_VIEW, "subagents": [{"queue": ["c0h0"]}, {"queue": []}],
+    later = {**MIXED_VIEW, "subagents": [{"id": 0, "queue": ["c0h0"]}, {"id": 1, "queue": [], "retired": True}],
              "subtasks": [{"item": "c0h0", "status": "queued"}, {"item": "c1h0", "status": "done"},
                           {"item": "c0h1", "status": "failed"}], "results": {"c1h0": "7"}}
     options = _variant(action_schema_for(later, effective=True), "spawn")["properties"]["subtasks"]["anyOf"]
@@ -100,18 +100,19 @@ def test_effective_spawn_delegates_whole_dependency_levels_in_order():
     assert _variant(eff, "replan")["properties"]["scope"]["enum"] == ["failed", "remaining", "all"]
     assert _variant(eff, "assign")["properties"]["subtask"]["enum"] == ["c0h1"]   # its input c0h0 is live
     assert "join" in _kinds(eff)
+    assert _variant(eff, "assign")["properties"]["subagent"]["enum"] == [0]        # #1 is retired
 
 
 def test_effective_schema_offers_only_actions_that_change_the_state():
     assert _kinds(action_schema_for(MIXED_VIEW, effective=True)) == ["spawn", "solve", "finish"]
     # everything answered, nothing queued: finish is all that is left
-    done = {**MIXED_VIEW, "subagents": [{"queue": []}],
+    done = {**MIXED_VIEW, "subagents": [{"id": 0, "queue": []}],
             "subtasks": [{"item": i, "status": "done"} for i in ("c0h0", "c1h0", "c0h1", "sum")],
             "results": {"c0h0": "a", "c1h0": "b", "c0h1": "c", "sum": "d"}}
     assert _kinds(action_schema_for(done, effective=True)) == ["finish"]
     assert _kinds(action_schema_for(done)) == ["spawn", "assign", "join", "replan", "finish"]  # without: no-ops too
     # all planned and queued: join (and cancelling replans), no spawn or assign
-    planned = {**done, "subagents": [{"queue": ["sum"]}], "results": {"c0h0": "a", "c1h0": "b", "c0h1": "c"},
+    planned = {**done, "subagents": [{"id": 0, "queue": ["sum"]}], "results": {"c0h0": "a", "c1h0": "b", "c0h1": "c"},
                "subtasks": done["subtasks"][:3] + [{"item": "sum", "status": "queued"}]}
     assert _kinds(action_schema_for(planned, effective=True)) == ["join", "replan", "solve", "finish"]
     with pytest.raises(jsonschema.ValidationError):
@@ -126,6 +127,18 @@ def test_solve_is_offered_on_the_items_whose_inputs_are_known():
     everything = {"c0h0": "x", "c1h0": "y", "c0h1": "z", "sum": "w"}
     assert _variant(action_schema_for({**MIXED_VIEW, "results": everything}), "solve") is None
     assert _variant(action_schema_for({**MIXED_VIEW, "solve": False}), "solve") is None
+
+
+def test_solve_is_offered_only_where_the_own_budget_covers_the_item():
+    view = {"items": [{"id": "w0", "deps": [], "path": ["a", "b", "c"]}, {"id": "w1", "deps": [], "path": ["a"]}],
+            "subagents": [], "results": {}, "max_concurrent": 4, "solve": True,
+            "max_tool_calls": 8, "tool_calls": 6, "max_steps": 10, "step": 3}
+    ready = lambda v: (_variant(action_schema_for(v), "solve") or {"properties": {"subtask": {"enum": []}}})[
+        "properties"]["subtask"]["enum"]
+    assert ready(view) == ["w1"]                                   # w0 needs 3 tool calls, 2 are left
+    assert ready({**view, "tool_calls": 0}) == ["w0", "w1"]
+    assert ready({**view, "tool_calls": 0, "step": 8}) == ["w1"]    # 2 turns left (this one included)
+    assert ready({**view, "tool_calls": 8}) == []
 
 
 def test_narrowed_schemas_compile_with_xgrammar(tiny_model_dir):
