@@ -86,6 +86,7 @@ def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | 
         "step": rt.steps, "max_steps": b.max_steps, "tool_calls": rt.tool_calls,
         "max_tool_calls": b.max_tool_calls, "tokens": rt.tokens_in + rt.tokens_out,
         "max_tokens": b.max_tokens, "max_concurrent": b.max_concurrent, "solve": rt.solve_enabled,
+        "compact": compact,
         "subagents": [{"id": g.id, "profile": g.profile, "retired": g.retired,
                        "queue": [rt.subtasks[s].item for s in g.queue]} for g in rt.subagents],
         "subtasks": [{"id": st.id, "item": st.item, "subagent": st.subagent, "status": st.status,

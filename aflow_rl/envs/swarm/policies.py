@@ -49,7 +49,9 @@ class Policy(Protocol):
 def rule_decision(obs: Observation, action: Action) -> Decision:
     """A baseline's action as a Decision, with the tokens and virtual latency a model would have spent."""
     text = action.to_json()
-    t_in, t_out = approx_tokens(SYSTEM_PROMPT) + approx_tokens(obs.text), approx_tokens(text)
+    # Charged the prompt a model would read under the same env.swarm.prompt (compact or full).
+    system = COMPACT_SYSTEM_PROMPT if obs.view.get("compact") else SYSTEM_PROMPT
+    t_in, t_out = approx_tokens(system) + approx_tokens(obs.text), approx_tokens(text)
     return Decision(text=text, tokens_in=t_in, tokens_out=t_out,
                     latency_ms=t_in * ORCHESTRATOR_MS_PER_TOKEN_IN + t_out * ORCHESTRATOR_MS_PER_TOKEN_OUT)
 
