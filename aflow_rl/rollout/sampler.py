@@ -3,9 +3,12 @@
 The tasks at sampler position p are generated from seed ``(run_seed, p)``, so a
 run resumed at position p draws exactly the tasks it would have drawn without
 the interruption (``RolloutPool``'s ``make_episodes`` then makes the groups).
+A factory that takes a ``position`` keyword is also told p, so that a
+curriculum can follow training progress (and resumes with it).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 TaskFactory = Callable[[object, int, int], list]  # (config, n, seed) -> list[task dict]
@@ -42,7 +45,11 @@ class TaskSampler:
         if self.num_tasks:
             return self._next_from_set(n)
         # 1_000_003 is prime: distinct (seed, position) pairs give distinct seeds.
-        tasks = self.make_tasks(self.config, n, self.seed * 1_000_003 + self.position)
+        seed = self.seed * 1_000_003 + self.position
+        if "position" in inspect.signature(self.make_tasks).parameters:
+            tasks = self.make_tasks(self.config, n, seed, position=self.position)
+        else:
+            tasks = self.make_tasks(self.config, n, seed)
         if len(tasks) != n:
             raise RuntimeError(f"task factory returned {len(tasks)} tasks, expected {n}")
         self.position += n

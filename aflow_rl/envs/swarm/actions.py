@@ -5,7 +5,12 @@
     {"action": "join", "ids": [0, 1]}                      # [] joins every subagent
     {"action": "tool_call", "tool": "lookup", "args": {"entity": "Arvenia", "attribute": "capital"}}
     {"action": "replan", "scope": "failed"}               # failed | remaining | all
+    {"action": "solve", "subtask": "w3"}                  # env.swarm.solve_action: work an item yourself
     {"action": "finish", "answer": {"w0": "51234", "w1": "Tolmar"}}
+
+``solve`` is the orchestrator doing an item's tool calls itself, serially (what the single-agent
+baseline does one tool call per turn); it is charged exactly as those turns would be (see
+``runtime.SwarmRuntime._do_solve``) and exists only when ``env.swarm.solve_action`` is on.
 
 ``ACTION_SCHEMA`` is what the policy server constrains generation with;
 ``parse_action`` checks the same rules on any text, because a turn generated
@@ -22,9 +27,10 @@ from typing import Any
 from aflow_rl.envs.swarm.profiles import PROFILE_NAMES
 from aflow_rl.envs.swarm.tools import TOOLS
 
-ACTIONS = ("spawn", "assign", "join", "tool_call", "replan", "finish")
+ACTIONS = ("spawn", "assign", "join", "tool_call", "replan", "finish", "solve")
 REPLAN_SCOPES = ("failed", "remaining", "all")
 MAX_SPAWN = 64  # per action; the runtime's concurrency cap is usually lower and checked there
+MAX_VALUE_CHARS = 32  # narrowed schema: longest answer value (the knowledge base's longest is 12 characters)
 
 
 def _variant(name: str, props: dict, required: list[str]) -> dict:
@@ -51,10 +57,94 @@ ACTION_SCHEMA: dict = {"anyOf": [
                                              {"type": "object", "additionalProperties": {"type": "string"}}]}},
              ["answer"]),
 ]}
+_SOLVE = _variant("solve", {"subtask": {"type": "string"}}, ["subtask"])
+ACTION_SCHEMA_SOLVE: dict = {"anyOf": [*ACTION_SCHEMA["anyOf"][:-1], _SOLVE, ACTION_SCHEMA["anyOf"][-1]]}
 
-def action_schema_for(view: dict) -> dict:
+def _depths(items: list[dict]) -> dict[str, int]:
+    """Dependency depth of each item id (0: no dependencies)."""
+    depth: dict[str, int] = {}
+    by_id = {it["id"]: it for it in items}
+
+    def d(i: str) -> int:
+        if i not in depth:
+            depth[i] = 1 + max((d(x) for x in by_id[i].get("deps", [])), default=-1)
+        return depth[i]
+
+    for i in by_id:
+        d(i)
+    return depth
+
+
+def _live(view: dict) -> set[str]:
+    """Items a subtask is working on or has answered, or the orchestrator solved."""
+    return {st["item"] for st in view.get("subtasks", []) if st["status"] in ("queued", "done")} | set(
+        view.get("results", {}))
+
+
+def _unplanned(view: dict) -> list[str]:
+    """Items nothing is working on and nobody answered, in dependency order (stable within a depth)."""
+    depth, live = _depths(view["items"]), _live(view)
+    return sorted((it["id"] for it in view["items"] if it["id"] not in live), key=lambda i: depth[i])
+
+
+def _ready(view: dict) -> list[str]:
+    """What solve can work on: items whose inputs are known, whose answer is not, and whose
+    lookups fit the orchestrator's tool calls and turns left (``runtime._do_solve``'s rule)."""
+    known = view.get("results", {})
+    calls_left = view.get("max_tool_calls", 1 << 30) - view.get("tool_calls", 0)
+    turns_left = view.get("max_steps", 1 << 30) - view.get("step", 0)
+    need = lambda it: 1 if "op" in it else len(it.get("path", ()))  # noqa: E731 - tasks.tool_steps
+    return [it["id"] for it in view["items"] if it["id"] not in known and all(d in known for d in it.get("deps", []))
+            and need(it) <= min(calls_left, turns_left)]
+
+
+def _level_prefixes(view: dict) -> dict:
+    """Spawn's subtasks under ``effective``: the unplanned items of the first L dependency levels,
+    L >= 1, in order (each option an exact array)."""
+    depth, todo = _depths(view["items"]), _unplanned(view)
+    options = [todo[:k] for k in range(1, len(todo) + 1) if k == len(todo) or depth[todo[k]] != depth[todo[k - 1]]]
+    arrays = [{"type": "array", "prefixItems": [{"const": i} for i in o], "items": False, "minItems": len(o)}
+              for o in options]
+    return arrays[0] if len(arrays) == 1 else {"anyOf": arrays}
+
+
+def _effective_variants(view: dict) -> dict[str, dict | None]:
+    """spawn / assign / join / replan restricted to what changes the state (None: not offered)."""
+    todo, live = _unplanned(view), _live(view)
+    items = {it["id"]: it for it in view["items"]}
+    active = [g["id"] for g in view.get("subagents", []) if not g.get("retired")]
+    agent_id = {"type": "integer", "enum": active}
+    plannable = [i for i in todo if all(d in live for d in items[i].get("deps", []))]
+    latest = {st["item"]: st["status"] for st in view.get("subtasks", [])}
+    failed = any(latest[i] in ("failed", "skipped") for i in todo if i in latest)
+    queued = any(g.get("queue") for g in view.get("subagents", []))
+    scopes = (["failed"] if failed else []) + (["remaining", "all"] if queued else [])
+    return {
+        "spawn": _level_prefixes(view) if todo else None,
+        "assign": {"subagent": agent_id, "subtask": {"type": "string", "enum": plannable}}
+        if active and plannable else None,
+        "join": {"ids": {"type": "array", "items": agent_id, "maxItems": len(active)}} if queued else None,
+        "replan": {"scope": {"type": "string", "enum": scopes}} if scopes else None,
+    }
+
+
+def action_schema_for(view: dict, *, effective: bool = False) -> dict:
     """ACTION_SCHEMA narrowed to the current state: item ids are the task's, subagent
-    ids the ones that exist, ``n`` at most the concurrency cap.
+    ids the ones that exist, ``n`` at most the concurrency cap; ``solve`` (on the items
+    whose inputs are known and whose answer is not) only when ``view["solve"]`` says
+    the environment offers it.
+
+    With ``solve`` offered, raw ``tool_call`` is left out (solve makes the same
+    lookups, item by item, and a free-text argument is where a small policy
+    loses its token budget); answer values are at most ``MAX_VALUE_CHARS`` long.
+
+    ``effective`` (``env.swarm.effective_actions``) admits only actions that change
+    the state: spawn delegates whole dependency levels of the unplanned items, in
+    order (the first L levels, L >= 1: a small policy chooses how much to delegate
+    instead of spelling out or repeating ids); assign only an unplanned item whose
+    inputs are live; join only while work is queued; replan only on failed or
+    queued work. Once every item is answered and nothing runs, finish is the only
+    action left.
 
     The grammar then only admits actions that name real things, so a small or
     untrained policy explores decompositions instead of inventing ids; the same
@@ -64,25 +154,30 @@ def action_schema_for(view: dict) -> dict:
     agents = len(view.get("subagents", []))
     item = {"type": "string", "enum": items}
     agent_id = {"type": "integer", "minimum": 0, "maximum": max(agents - 1, 0)}
-    variants = [
-        _variant("spawn", {"n": {"type": "integer", "minimum": 1, "maximum": max(1, int(view["max_concurrent"]))},
-                           "profile": {"type": "string", "enum": list(PROFILE_NAMES)},
-                           "subtasks": {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}},
-                 ["n", "profile", "subtasks"]),
-        _variant("join", {"ids": {"type": "array", "items": agent_id, "maxItems": agents}}, ["ids"]),
-        _variant("replan", {"scope": {"type": "string", "enum": list(REPLAN_SCOPES)}}, ["scope"]),
-        _variant("finish", {"answer": {"type": "object", "properties": {i: {"type": "string"} for i in items},
-                                       "additionalProperties": False}}, ["answer"]),
-    ]
-    if agents:  # assign needs an existing subagent
-        variants.insert(1, _variant("assign", {"subagent": agent_id, "subtask": item}, ["subagent", "subtask"]))
-    variants.insert(3, _variant("tool_call", {"tool": {"type": "string", "enum": list(TOOLS)}, "args": _TOOL_ARGS},
-                                ["tool", "args"]))
-    return {"anyOf": variants}
+    n = {"type": "integer", "minimum": 1, "maximum": max(1, int(view["max_concurrent"]))}
+    value = {"type": "string", "maxLength": MAX_VALUE_CHARS}
+    if effective:
+        props = _effective_variants(view)
+    else:
+        props = {"spawn": {"subtasks": {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}},
+                 "assign": {"subagent": agent_id, "subtask": item} if agents else None,
+                 "join": {"ids": {"type": "array", "items": agent_id, "maxItems": agents}},
+                 "replan": {"scope": {"type": "string", "enum": list(REPLAN_SCOPES)}}}
+    if props["spawn"] is not None:
+        subtasks = props["spawn"]["subtasks"] if "subtasks" in props["spawn"] else props["spawn"]
+        props["spawn"] = {"n": n, "profile": {"type": "string", "enum": list(PROFILE_NAMES)}, "subtasks": subtasks}
+    if not view.get("solve"):  # solve does the orchestrator's own lookups item by item; raw calls add nothing
+        props["tool_call"] = {"tool": {"type": "string", "enum": list(TOOLS)}, "args": _TOOL_ARGS}
+    ready = _ready(view) if view.get("solve") else []
+    props["solve"] = {"subtask": {"type": "string", "enum": ready}} if ready else None
+    props["finish"] = {"answer": {"type": "object", "properties": {i: value for i in items},
+                                  "additionalProperties": False}}
+    order = ("spawn", "assign", "join", "tool_call", "replan", "solve", "finish")
+    return {"anyOf": [_variant(k, props[k], list(props[k])) for k in order if props.get(k) is not None]}
 
 
 _FIELDS = {"spawn": {"n", "profile", "subtasks"}, "assign": {"subagent", "subtask"}, "join": {"ids"},
-           "tool_call": {"tool", "args"}, "replan": {"scope"}, "finish": {"answer"}}
+           "tool_call": {"tool", "args"}, "replan": {"scope"}, "finish": {"answer"}, "solve": {"subtask"}}
 
 
 @dataclass(frozen=True)
@@ -163,6 +258,10 @@ def _check(body: dict) -> Action:
         if not isinstance(subtasks, list) or not all(_nonempty_str(s) for s in subtasks):
             raise ValueError("spawn: subtasks must be a list of item ids (strings)")
         return Action(kind, n=n, profile=profile, subtasks=tuple(s.strip() for s in subtasks))
+    if kind == "solve":
+        if not _nonempty_str(body["subtask"]):
+            raise ValueError("solve: subtask must be an item id (string)")
+        return Action(kind, subtask=body["subtask"].strip())
     if kind == "assign":
         if not _is_int(body["subagent"]) or body["subagent"] < 0:
             raise ValueError(f"assign: subagent must be a subagent id (integer >= 0), got {body['subagent']!r}")

@@ -62,14 +62,16 @@ async def run_swarm_episode(task: dict, cfg: Any, policy: Policy, *, executor: S
     kb = build_kb(int(task.get("kb_seed", sw.kb_seed)))
     episode_id = str(task.get("episode_id", task["task_id"]))
     rt = SwarmRuntime(task["items"], Budgets.from_config(sw), executor or SimulatedSubagents(kb),
-                      tools=lambda tool, args: call_tool(kb, tool, args), seed=episode_seed(task))
+                      tools=lambda tool, args: call_tool(kb, tool, args), seed=episode_seed(task),
+                      solve=sw.solve_action)
     policy.begin_episode(task)
     turns: list[Turn] = []
     errors: list[str] = []
     last: dict | None = None
     step = 0
     while rt.ended is None:
-        obs = render(task, rt, mailbox=rt.drain_mailbox(), last=last, compact=sw.prompt == "compact")
+        obs = render(task, rt, mailbox=rt.drain_mailbox(), last=last, compact=sw.prompt in ("compact", "shape"),
+                     shape=sw.prompt == "shape")
         t0 = time.perf_counter()
         decision = await policy.act(obs)
         t1 = time.perf_counter()
@@ -104,8 +106,9 @@ async def run_swarm_episode(task: dict, cfg: Any, policy: Policy, *, executor: S
         # ended the episode; entries it wrote itself fill the items nobody solved.
         given = answer if isinstance(answer, dict) else {}
         answer = {**given, **rt.results()}
-    components = reward_components(task, answer, rt, invalid_actions=len(errors), format_penalty=sw.format_penalty)
     metrics = episode_metrics(task, answer, rt)
+    components = reward_components(task, answer, rt, invalid_actions=len(errors), format_penalty=sw.format_penalty,
+                                   latency_coef=sw.latency_coef, critical_steps=metrics["critical_steps"])
     metrics["invalid_actions"] = float(len(errors))
     final_reward = components["r_perf"] + components["format"]
     if turns:

@@ -18,12 +18,19 @@ if TYPE_CHECKING:
     from aflow_rl.envs.swarm.runtime import SwarmRuntime
 
 METRICS = ("success", "item_f1", "critical_steps", "wall_clock_ms", "tokens_in", "tokens_out", "estimated_cost",
-           "retry_count", "failure_rate", "skip_rate", "avg_parallelism", "spawn_count", "subtask_finish_rate")
+           "retry_count", "failure_rate", "skip_rate", "avg_parallelism", "spawn_count", "subtask_finish_rate",
+           "solved_self")
 
 
 def critical_steps(stages: Iterable[tuple[int, Sequence[int]]]) -> int:
     """``sum over stages of (S_main + max_i S_sub,i)``; stages are ``[(main_steps, [sub_steps, ...]), ...]``."""
     return int(sum(int(main) + max((int(s) for s in subs), default=0) for main, subs in stages))
+
+
+def task_objective(item_f1: float, critical_steps: float, latency_coef: float) -> float:
+    """The task objective every orchestrator is judged by: quality minus a latency cost,
+    ``item_f1 - c * critical_steps`` (``c = env.swarm.latency_coef``)."""
+    return float(item_f1) - float(latency_coef) * float(critical_steps)
 
 
 def subtask_finish_rate(done: int, subtasks: int, spawned: int) -> float:
@@ -55,6 +62,7 @@ def episode_metrics(task: dict, answer: Any, rt: "SwarmRuntime") -> dict[str, fl
         "avg_parallelism": (rt.steps + rt.sub_steps) / span if span else 0.0,
         "spawn_count": float(len(rt.subagents)),
         "subtask_finish_rate": subtask_finish_rate(rt.count("done"), n_sub, len(rt.subagents)),
+        "solved_self": float(rt.solved_self),
         "steps": float(rt.steps),
         "tool_calls": float(rt.tool_calls),
         "subtasks": float(n_sub),

@@ -46,6 +46,17 @@ class Observation:
     view: dict = field(default_factory=dict)
 
 
+def shape_line(task: dict, rt: "SwarmRuntime") -> str:
+    """``Shape: width W depth D lookups L tools left K``: the task graph's parallelism and the
+    orchestrator's own remaining budget, in a few tokens."""
+    from aflow_rl.envs.swarm.tasks import item_depths, task_width, tool_steps
+
+    depth = 1 + max(item_depths(task["items"]).values(), default=-1)
+    lookups = sum(tool_steps(it) for it in task["items"])
+    return (f"Shape: width {task_width(task['items'])} depth {depth} lookups {lookups} "
+            f"tools left {rt.budgets.max_tool_calls - rt.tool_calls}")
+
+
 def public_items(task: dict) -> list[dict]:
     """The task's items as a policy may see them (no gold answers)."""
     return [dict(it) for it in task["items"]]
@@ -55,12 +66,16 @@ COMPACT_SYSTEM_PROMPT = "Orchestrate subagents to answer every item. One JSON ac
 
 
 def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | None,
-           compact: bool = False) -> Observation:
+           compact: bool = False, shape: bool = False) -> Observation:
     """Observation of ``rt`` before the orchestrator's next turn.
 
     ``compact`` keeps only the state (items and their dependencies, subagents,
     subtask statuses, known answers, turn budget): a fifth of the tokens, for
     small policies whose action grammar already says what they may do.
+    ``shape`` (with ``compact``) adds one line with what decides between serial
+    and parallel work: the task's width (most items at one dependency depth),
+    its depth (dependency levels), the lookups its items need, and the
+    orchestrator's own tool calls left.
     """
     results = rt.results()
     items = public_items(task)
@@ -70,7 +85,8 @@ def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | 
         "suite": task.get("suite", ""), "items": items,
         "step": rt.steps, "max_steps": b.max_steps, "tool_calls": rt.tool_calls,
         "max_tool_calls": b.max_tool_calls, "tokens": rt.tokens_in + rt.tokens_out,
-        "max_tokens": b.max_tokens, "max_concurrent": b.max_concurrent,
+        "max_tokens": b.max_tokens, "max_concurrent": b.max_concurrent, "solve": rt.solve_enabled,
+        "compact": compact,
         "subagents": [{"id": g.id, "profile": g.profile, "retired": g.retired,
                        "queue": [rt.subtasks[s].item for s in g.queue]} for g in rt.subagents],
         "subtasks": [{"id": st.id, "item": st.item, "subagent": st.subagent, "status": st.status,
@@ -118,4 +134,6 @@ def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | 
             lines.append("Subtasks: " + " ".join(f"{st.item}={st.status}" for st in rt.subtasks.values()))
         lines.append("Known: " + (" ".join(sorted(results)) or "none"))
         lines.append(f"Turn {rt.steps + 1}/{b.max_steps}")
+        if shape:
+            lines.append(shape_line(task, rt))
     return Observation(text="\n".join(lines), anchor_key=anchor, view=view)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, Action, action_schema_for
+from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, ACTION_SCHEMA_SOLVE, Action, action_schema_for
 from aflow_rl.envs.swarm.observation import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, Observation
 from aflow_rl.envs.swarm.profiles import ORCHESTRATOR_MS_PER_TOKEN_IN, ORCHESTRATOR_MS_PER_TOKEN_OUT, approx_tokens
 from aflow_rl.llm.base import LLMClient
@@ -49,7 +49,9 @@ class Policy(Protocol):
 def rule_decision(obs: Observation, action: Action) -> Decision:
     """A baseline's action as a Decision, with the tokens and virtual latency a model would have spent."""
     text = action.to_json()
-    t_in, t_out = approx_tokens(SYSTEM_PROMPT) + approx_tokens(obs.text), approx_tokens(text)
+    # Charged the prompt a model would read under the same env.swarm.prompt (compact or full).
+    system = COMPACT_SYSTEM_PROMPT if obs.view.get("compact") else SYSTEM_PROMPT
+    t_in, t_out = approx_tokens(system) + approx_tokens(obs.text), approx_tokens(text)
     return Decision(text=text, tokens_in=t_in, tokens_out=t_out,
                     latency_ms=t_in * ORCHESTRATOR_MS_PER_TOKEN_IN + t_out * ORCHESTRATOR_MS_PER_TOKEN_OUT)
 
@@ -60,8 +62,10 @@ class ModelPolicy:
     name = "model"
 
     def __init__(self, client: LLMClient, tokenizer: Any, *, temperature: float = 1.0, max_new_tokens: int = 96,
-                 constrained: bool = True, task_schema: bool = False, compact: bool = False):
+                 constrained: bool = True, task_schema: bool = False, compact: bool = False,
+                 effective_actions: bool = False):
         self.client, self.tokenizer = client, tokenizer
+        self.effective_actions = effective_actions
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.constrained, self.task_schema = constrained, task_schema
         self.system_prompt = COMPACT_SYSTEM_PROMPT if compact else SYSTEM_PROMPT
@@ -83,7 +87,9 @@ class ModelPolicy:
         """The grammar of this turn: none, the generic action schema, or the one narrowed to this state."""
         if not self.constrained:
             return None
-        return action_schema_for(obs.view) if self.task_schema else ACTION_SCHEMA
+        if self.task_schema:
+            return action_schema_for(obs.view, effective=self.effective_actions)
+        return ACTION_SCHEMA_SOLVE if obs.view.get("solve") else ACTION_SCHEMA
 
     def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
         pass
@@ -98,7 +104,8 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
                              "(workers.swarm_worker.init_worker builds them from llm.policy and serving.policy)")
         return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
-                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt == "compact")
+                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt in ("compact", "shape"),
+                           effective_actions=cfg.env.swarm.effective_actions)
     # baselines import this module for Decision; importing them here, at call time, avoids the cycle.
     from aflow_rl.envs.swarm.baselines import make_baseline
 

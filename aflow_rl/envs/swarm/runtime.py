@@ -26,6 +26,15 @@ Semantics, each tested with exact numbers:
   ``max_steps``), tokens of orchestrator and subagents (``max_tokens``) and
   wall time on the episode clock (``max_wall_ms``). Exhausting one ends the
   episode (``ended`` names it); a tool call past the budget is refused.
+- *Solving an item oneself* (``solve``, when enabled). The orchestrator runs the item's
+  tool calls itself (one lookup per path step, one calc for a sum), exactly as the
+  single agent would over that many turns: each call is one main step (the extra
+  ones count against ``max_steps`` and are charged the tokens and latency of the
+  turn that asked), one tool call against ``max_tool_calls`` and ``TOOL_CALL_MS``
+  on the clock. It needs every dependency's answer to be known and enough turns
+  and tool calls left (else InvalidAction, nothing is charged). Its answer joins
+  ``results()``; subtasks may depend on it. Tools are exact, so only a wrong
+  input (a subagent's silent error upstream) can make it fail.
 - *Cancellation.* ``finish`` and the end of the episode cancel every queued
   subtask; a wave that runs past the wall-time budget cancels the subagents
   still running at the deadline.
@@ -42,7 +51,7 @@ from typing import Any, Callable
 from aflow_rl.envs.swarm.actions import Action
 from aflow_rl.envs.swarm.profiles import (PROFILES, TOOL_CALL_MS, AttemptResult, SubagentExecutor, SubagentJob,
                                           orchestrator_cost)
-from aflow_rl.envs.swarm.tasks import item_depths, stable_seed
+from aflow_rl.envs.swarm.tasks import item_depths, stable_seed, tool_steps
 from aflow_rl.envs.swarm.tools import ToolResult
 
 TERMINATIONS = ("finish", "max_steps", "tool_budget", "token_budget", "wall_time")
@@ -109,7 +118,7 @@ class SwarmRuntime:
     """State of one episode's swarm. Drive it with ``turn`` then ``apply`` per orchestrator step, then ``close``."""
 
     def __init__(self, items: list[dict], budgets: Budgets, executor: SubagentExecutor, *,
-                 tools: Callable[[str, dict], ToolResult] | None = None, seed: int = 0):
+                 tools: Callable[[str, dict], ToolResult] | None = None, seed: int = 0, solve: bool = False):
         self.items = {it["id"]: it for it in items}
         self.depth = item_depths(items)
         self.budgets = budgets
@@ -132,6 +141,10 @@ class SwarmRuntime:
         self.mailbox: list[dict] = []   # unread subagent results
         self.answer: Any = None
         self.ended: str | None = None
+        self.solve_enabled = solve
+        self.own_answers: dict[str, str] = {}  # items the orchestrator solved itself
+        self.solved_self = 0                   # solve actions that found an answer
+        self._last_turn = (0, 0, 0.0)          # tokens_in, tokens_out, latency_ms of the latest turn
         self._item_attempts: dict[str, int] = {}
 
     # -- orchestrator turns ---------------------------------------------------
@@ -144,6 +157,7 @@ class SwarmRuntime:
         self.tokens_out += int(tokens_out)
         self.cost += orchestrator_cost(tokens_in, tokens_out)
         self.clock.advance(latency_ms)
+        self._last_turn = (int(tokens_in), int(tokens_out), float(latency_ms))
 
     def check_budgets(self) -> str | None:
         """End the episode if a budget is spent (called after each turn); returns ``ended``."""
@@ -178,12 +192,18 @@ class SwarmRuntime:
     # -- queries --------------------------------------------------------------
 
     def results(self) -> dict[str, str]:
-        """The latest answer per item from subagents that finished their subtask."""
+        """The latest answer per item from subagents that finished their subtask, then the
+        items the orchestrator solved itself (its tools are exact, so its answer wins)."""
         out: dict[str, str] = {}
         for st in self.subtasks.values():
             if st.status == "done" and st.answer is not None:
                 out[st.item] = st.answer
+        out.update(self.own_answers)
         return out
+
+    def productive_subagents(self) -> int:
+        """Subagents that finished at least one subtask (PARL's r_parallel counts only these)."""
+        return len({st.subagent for st in self.subtasks.values() if st.status == "done"})
 
     def count(self, status: str) -> int:
         return sum(1 for st in self.subtasks.values() if st.status == status)
@@ -261,6 +281,51 @@ class SwarmRuntime:
             made.append(self._new_subtask(item, agent))
         return "re-spawned " + ", ".join(f"{st.item}->#{st.subagent}" for st in made)
 
+    def _do_solve(self, a: Action) -> str:
+        if not self.solve_enabled:
+            raise InvalidAction("solve: this environment has no solve action (env.swarm.solve_action=false)")
+        if a.subtask not in self.items:
+            raise InvalidAction(f"solve: unknown item id {a.subtask!r}; items: {', '.join(self.items)}")
+        item, known = self.items[a.subtask], self.results()
+        missing = [d for d in item["deps"] if d not in known]
+        if missing:
+            raise InvalidAction(f"solve: {a.subtask} needs the answer to {', '.join(missing)} first")
+        k = tool_steps(item)
+        calls_left, turns_left = self.budgets.max_tool_calls - self.tool_calls, self.budgets.max_steps - self.steps + 1
+        if k > calls_left or k > turns_left:
+            raise InvalidAction(f"solve: {a.subtask} takes {k} tool call(s) and turn(s); "
+                                f"{calls_left} tool call(s) and {turns_left} turn(s) left")
+        calls = [("calc", {"expr": " + ".join(known[d] for d in item["deps"])})] if "op" in item else []
+        value = None if "op" in item else (item["start"] if "start" in item else known[item["ref"]])
+        made = 0
+        for step in range(k):
+            tool, args = calls[0] if calls else ("lookup", {"entity": value, "attribute": item["path"][step]})
+            res = self._own_call(tool, args, extra_turn=made > 0)
+            made += 1
+            if not res.ok:
+                return f"could not solve {a.subtask} after {made} tool call(s): {res.error}"
+            value = res.value
+        self.own_answers[a.subtask] = value
+        self.solved_self += 1
+        return f"solved {a.subtask} = {value} in {made} tool call(s)"
+
+    def _own_call(self, tool: str, args: dict, *, extra_turn: bool) -> ToolResult:
+        """One tool call of a solve; every call after the first is one more main step, priced
+        like the turn that asked for the solve."""
+        if extra_turn:
+            t_in, t_out, ms = self._last_turn
+            self.steps += 1
+            self.main_pending += 1
+            self.tokens_in += t_in
+            self.tokens_out += t_out
+            self.cost += orchestrator_cost(t_in, t_out)
+            self.clock.advance(ms)
+        self.tool_calls += 1
+        self.clock.advance(TOOL_CALL_MS)
+        res = self.tools(tool, dict(args)) if self.tools is not None else ToolResult(False, error="no tools")
+        self.notes.append({"tool": tool, "args": dict(args), "ok": res.ok, "result": res.text()})
+        return res
+
     def _do_finish(self, a: Action) -> str:
         self.answer = a.answer
         self.ended = "finish"
@@ -269,7 +334,7 @@ class SwarmRuntime:
     # -- task graph -----------------------------------------------------------
 
     def _live(self, item_id: str, pending: set[str]) -> bool:
-        return item_id in pending or any(st.item == item_id and st.status in ("queued", "done")
+        return item_id in pending or item_id in self.own_answers or any(st.item == item_id and st.status in ("queued", "done")
                                          for st in self.subtasks.values())
 
     def _plan_items(self, ids: list[str]) -> list[dict]:
@@ -287,15 +352,17 @@ class SwarmRuntime:
             pending.add(i)
         return [self.items[i] for i in ordered]
 
-    def _dep_subtask(self, item_id: str) -> str:
-        """The subtask a new dependent waits for: a done one if any, else the newest queued one."""
+    def _dep_subtask(self, item_id: str) -> str | None:
+        """The subtask a new dependent waits for: a done one if any, else the newest queued one;
+        None when only the orchestrator's own answer exists (nothing to wait for)."""
         cands = [st for st in self.subtasks.values() if st.item == item_id and st.status in ("queued", "done")]
         done = [st for st in cands if st.status == "done"]
-        return (done or cands)[-1].id
+        return (done or cands)[-1].id if cands else None
 
     def _new_subtask(self, item: dict, agent: Subagent) -> Subtask:
+        deps = [self._dep_subtask(d) for d in item["deps"]]
         st = Subtask(id=f"s{len(self.subtasks)}", item=item["id"], subagent=agent.id,
-                     deps=[self._dep_subtask(d) for d in item["deps"]])
+                     deps=[d for d in deps if d is not None])
         self.subtasks[st.id] = st
         agent.queue.append(st.id)
         return st
@@ -364,7 +431,8 @@ class SwarmRuntime:
         agent = self.subagents[st.subagent]
         agent.queue.remove(st.id)
         profile = PROFILES[agent.profile]
-        inputs = {self.subtasks[d].item: self.subtasks[d].answer or "" for d in st.deps}
+        inputs = {d: self.own_answers[d] for d in self.items[st.item]["deps"] if d in self.own_answers}
+        inputs.update({self.subtasks[d].item: self.subtasks[d].answer or "" for d in st.deps})
         result: AttemptResult | None = None
         for attempt in range(1 + self.budgets.retries):
             self.retry_count += attempt > 0

@@ -203,20 +203,57 @@ def generate_task(suite: str, seed: int, *, min_items: int = 3, max_items: int =
             "items": items, "gold": gold}
 
 
-def make_tasks(cfg: Any, n: int, seed: int) -> list[dict]:
+def suite_items(sw: Any, suite: str) -> tuple[int, int]:
+    """(min, max) items of ``suite``: ``env.swarm.item_range[suite]`` or min_items..max_items."""
+    lo, hi = sw.item_range.get(suite, (sw.min_items, sw.max_items))
+    return int(lo), int(hi)
+
+
+def curriculum_stage(sw: Any, step: int | None) -> list[tuple[str, int, int]]:
+    """The suites drawn at optimizer step ``step`` and their (min, max) items.
+
+    ``env.swarm.mix`` (or ``suite`` alone) lists the suites; suite k joins at
+    ``curriculum[k]``; a suite's most items grow linearly from its min to its max
+    over ``items_ramp_steps`` steps after it joins. ``step=None`` (evaluation,
+    fixed task sets): every suite, full ranges.
+    """
+    suites = list(sw.mix) or [sw.suite]
+    starts = list(sw.curriculum) or [0] * len(suites)
+    out = []
+    for suite, start in zip(suites, starts):
+        lo, hi = suite_items(sw, suite)
+        if step is not None:
+            if step < start:
+                continue
+            if sw.items_ramp_steps > 0:
+                hi = lo + int((hi - lo) * min(1.0, (step - start + 1) / sw.items_ramp_steps))
+        out.append((suite, lo, hi))
+    return out
+
+
+def make_tasks(cfg: Any, n: int, seed: int, *, position: int | None = None) -> list[dict]:
     """``n`` tasks for the configured environment (the trainer's entry point).
 
     ``cfg`` is the full Config; ``env.mode: plan_act`` delegates to Plan/Act's
-    reasoning-gym tasks, otherwise ``env.swarm`` picks suite and sizes.
+    reasoning-gym tasks, otherwise ``env.swarm`` picks suites and sizes.
+    ``position`` (tasks drawn so far, passed by the trainer's TaskSampler) places
+    the draw on the curriculum: optimizer step ``position // rollout.tasks_per_step``.
     """
     if cfg.env.mode == "plan_act":
         from aflow_rl.envs.swarm.plan_act import make_plan_act_tasks  # reasoning-gym only when asked for
 
         return make_plan_act_tasks(cfg, n, seed)
     sw = cfg.env.swarm
-    return [generate_task(sw.suite, stable_seed(seed, i) % (2 ** 31), min_items=sw.min_items,
-                          max_items=sw.max_items, kb_seed=sw.kb_seed, task_id=f"{sw.suite}-{seed}-{i}")
-            for i in range(n)]
+    step = None if position is None else position // max(1, cfg.rollout.tasks_per_step)
+    stage = curriculum_stage(sw, step)
+    tasks = []
+    for i in range(n):
+        task_seed = stable_seed(seed, i) % (2 ** 31)
+        # One suite alone keeps the draw (and task ids) of the single-suite environment.
+        suite, lo, hi = stage[0] if len(stage) == 1 else stage[stable_seed("suite", seed, i) % len(stage)]
+        tasks.append(generate_task(suite, task_seed, min_items=lo, max_items=hi, kb_seed=sw.kb_seed,
+                                   task_id=f"{suite}-{seed}-{i}"))
+    return tasks
 
 
 # ---------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 Kimi K2.5's PARL trains the orchestrator on ``lambda1 * r_parallel + lambda2 * r_finish + r_perf``
 (+ format), lambda annealed to 0. r_parallel pays for instantiating subagents; its known hack is
-spawning as many subagents as possible and letting none of them finish anything. ``SpawnHack``
+spawning as many subagents as possible and letting none of them finish anything. Here r_parallel
+counts only productive subagents (at least one finished subtask), so the hack is paid nothing at
+all; the last two tests show what the older count (every spawned subagent) let through. ``SpawnHack``
 does exactly that through the real worker module (``workers.swarm_worker.run_episode``), runtime
 and simulated subagents, on the task suites and budgets of the quickstart and deep recipes. Each
 episode is scored by the trainer's own shaping (``algos.parl.shaped_rewards``, what ``train.py``
@@ -22,6 +24,7 @@ from aflow_rl.envs.swarm import rewards
 from aflow_rl.envs.swarm.actions import Action
 from aflow_rl.envs.swarm.baselines import SingleAgent, SpawnHack
 from aflow_rl.envs.swarm.policies import make_policy, rule_decision
+from aflow_rl.envs.swarm.runtime import SwarmRuntime
 from aflow_rl.envs.swarm.tasks import task_width
 from aflow_rl.rollout.types import WorkerContext
 from workers import swarm_worker
@@ -96,7 +99,8 @@ def shaped(cfg, trajs, step: int) -> np.ndarray:
 @pytest.mark.parametrize("hack", HACKS)
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_the_hack_spawns_the_most_and_finishes_nothing(recipe, hack):
-    """The adversary really is the hack: it is paid the whole r_parallel and nothing else."""
+    """The adversary really is the hack, and it is paid nothing: none of its subagents finished a
+    subtask, so none counts toward r_parallel."""
     cfg, tasks, runs = episodes(recipe)
     cap = cfg.env.swarm.max_concurrent_subagents
     assert len(tasks) == len(SEEDS) * TASKS_PER_SEED
@@ -105,7 +109,7 @@ def test_the_hack_spawns_the_most_and_finishes_nothing(recipe, hack):
         assert t.metrics["spawn_count"] == cap * t.metrics["steps"] >= task_width(task["items"])
         assert t.metrics["subtask_finish_rate"] == 0.0 and t.metrics["waves"] == 0
         assert t.metrics["subtasks"] == (t.metrics["steps"] * len(task["items"]) if hack == "hack_queued" else 0)
-        assert t.reward_components == {"r_parallel": 1.0, "r_finish": 0.0, "r_perf": 0.0, "format": 0.0}
+        assert t.reward_components == {"r_parallel": 0.0, "r_finish": 0.0, "r_perf": 0.0, "format": 0.0}
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -136,26 +140,50 @@ def test_hack_earns_less_than_the_single_agent_once_lambda_is_zero(recipe):
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_idle_spawning_on_top_of_serial_work_pays_at_most_lambda1(recipe):
+def test_idle_spawning_on_top_of_serial_work_pays_nothing(recipe):
     """The hack mixed with honest serial work. r_finish cannot tell it from the single agent (both
-    finish no subtask), so while lambda1 > 0 the idle spawn is worth up to lambda1 over serial work:
-    PARL's instantiation bonus, bounded by r_parallel's saturation and gone once lambda is 0. It
-    still ranks below the heuristic, which is paid lambda2 * r_finish on top."""
+    finish no subtask) and neither can r_parallel now (no subagent of it is productive): the idle
+    spawn earns no more than the serial work, at every lambda (less where its spawn turn cost the
+    serial work a turn), and ranks below the heuristic while lambda2 > 0."""
     cfg, _, runs = episodes(recipe)
     for t in runs["idle_spawn_then_serial"]:
-        assert t.reward_components["r_parallel"] == 1.0 and t.reward_components["r_finish"] == 0.0
+        assert t.reward_components["r_parallel"] == 0.0 and t.reward_components["r_finish"] == 0.0
     for step in schedule(cfg):
         lam1, lam2 = parl_lambdas(step, cfg.algo.parl)
         mixed = shaped(cfg, runs["idle_spawn_then_serial"], step)
-        gain = mixed - shaped(cfg, runs["single"], step)
-        assert (gain <= lam1 + 1e-12).all(), (step, gain.max(), lam1)
+        assert (mixed <= shaped(cfg, runs["single"], step)).all(), step
         heur = shaped(cfg, runs["heuristic"], step)
         assert ((mixed < heur) if lam2 > 0 else (mixed <= heur)).all(), (step, mixed, heur)
 
 
+def _count_every_spawned_subagent(monkeypatch):
+    """The older r_parallel: every spawned subagent counts, productive or not."""
+    monkeypatch.setattr(SwarmRuntime, "productive_subagents", lambda self: len(self.subagents))
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_counting_every_spawned_subagent_pays_idle_spawning_lambda1(monkeypatch, recipe):
+    """What the productive count removes: counting every spawned subagent, the idle spawn is paid
+    r_parallel = 1, exactly lambda1 more per episode than under the productive count, and on some
+    tasks that lifts it above the single agent while lambda1 > 0 (the hole issue 8's hack battery
+    found)."""
+    cfg = recipe_config(recipe)
+    tasks = swarm_worker.make_tasks(cfg, TASKS_PER_SEED, seed=SEEDS[0])
+    step = cfg.algo.parl.anneal_steps // 2
+    lam1, _ = parl_lambdas(step, cfg.algo.parl)
+    assert lam1 > 0
+    single = shaped(cfg, rollouts(cfg, SingleAgent(), tasks), step)
+    productive = shaped(cfg, rollouts(cfg, IdleSpawnThenSerial(), tasks), step)
+    _count_every_spawned_subagent(monkeypatch)
+    spawned = shaped(cfg, rollouts(cfg, IdleSpawnThenSerial(), tasks), step)
+    np.testing.assert_allclose(spawned - productive, lam1, rtol=0, atol=1e-12)
+    assert (productive <= single).all() and (spawned > single).any()
+
+
 def test_the_comparison_catches_an_r_parallel_that_does_not_saturate(monkeypatch):
-    """The checks above can fail: paid per subagent spawned (no saturation at the task's width),
-    the same hack out-earns the heuristic at the start of the schedule."""
+    """The checks above can fail: paid per subagent spawned (no saturation at the task's width, no
+    productivity test), the same hack out-earns the heuristic at the start of the schedule."""
+    _count_every_spawned_subagent(monkeypatch)
     monkeypatch.setattr(rewards, "r_parallel", lambda spawned, width: spawned / width if width else 0.0)
     cfg = recipe_config("quickstart")
     tasks = swarm_worker.make_tasks(cfg, TASKS_PER_SEED, seed=SEEDS[0])

@@ -59,4 +59,36 @@ def test_spurious_parallelism_lowers_r_finish():
     rt = run(task, [Action("spawn", n=8, profile="small", subtasks=("w0", "w1")), Action("join", ids=())],
              script={"w1": [(False, 1), (False, 1)]})
     c = reward_components(task, {"w0": "W0"}, rt, invalid_actions=0, format_penalty=-0.1)
-    assert c["r_parallel"] == 1.0 and c["r_finish"] == pytest.approx(1 / 8)
+    # ... and only the one productive subagent (of 8 spawned) counts toward r_parallel: 1 / width 4
+    assert c["r_parallel"] == 0.25 and c["r_finish"] == pytest.approx(1 / 8)
+
+
+def test_r_parallel_counts_subagents_that_finished_a_subtask():
+    task = wide_task()
+    # 3 subagents for w0..w2: #0 finishes, #1 fails twice (retry included), #2 is never joined.
+    rt = run(task, [Action("spawn", n=3, profile="small", subtasks=("w0", "w1", "w2")), Action("join", ids=(0, 1))],
+             script={"w0": [(True, 2)], "w1": [(False, 1), (False, 1)]})
+    assert rt.productive_subagents() == 1
+    assert reward_components(task, {}, rt, invalid_actions=0, format_penalty=-0.1)["r_parallel"] == 0.25
+    # A subagent that finishes two subtasks is one productive subagent, not two.
+    rt = run(task, [Action("spawn", n=1, profile="small", subtasks=("w0", "w1")), Action("join", ids=())])
+    assert rt.productive_subagents() == 1 and rt.count("done") == 2
+
+
+def test_latency_cost_is_part_of_r_perf():
+    """r_perf = item_f1 - c * critical_steps: the objective bench.learning judges, in the trained reward."""
+    task = wide_task()
+    full = {f"w{i}": f"W{i}" for i in range(4)}
+    assert r_perf(task, full, critical_steps=7, latency_coef=0.02) == pytest.approx(1.0 - 0.14)
+    assert r_perf(task, {"w0": "W0"}, critical_steps=3, latency_coef=0.05) == pytest.approx(0.4 - 0.15)
+    assert r_perf(task, None, critical_steps=10, latency_coef=0.02) == pytest.approx(-0.2)
+    assert r_perf(task, full, critical_steps=50, latency_coef=0.0) == 1.0     # c = 0: quality only
+    # Through the runtime: spawn and join turns, then one wave in which every w_i takes 3 steps.
+    rt = run(task, [Action("spawn", n=4, profile="small", subtasks=("w0", "w1", "w2", "w3")),
+                    Action("join", ids=())], script={f"w{i}": [(True, 3)] for i in range(4)})
+    from aflow_rl.envs.swarm.metrics import critical_steps
+    span = critical_steps(rt.stages)
+    assert span == 2 + 3                       # spawn + join turns, then the slowest subagent's 3 steps
+    c = reward_components(task, rt.results(), rt, invalid_actions=0, format_penalty=-0.1, latency_coef=0.02,
+                          critical_steps=span)
+    assert c["r_perf"] == pytest.approx(1.0 - 0.02 * 5)

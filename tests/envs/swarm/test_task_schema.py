@@ -64,3 +64,94 @@ def test_auto_answer_scores_collected_results(auto):
         assert traj.info["answer"] == task["gold"]
     else:     # an empty finish answers nothing
         assert traj.reward_components["r_perf"] == 0.0
+
+
+MIXED_VIEW = {"items": [{"id": "c0h0", "deps": []}, {"id": "c0h1", "deps": ["c0h0"]}, {"id": "c1h0", "deps": []},
+                        {"id": "sum", "deps": ["c0h1", "c1h0"]}],
+              "subagents": [], "subtasks": [], "results": {}, "max_concurrent": 4, "solve": True}
+
+
+def _variant(schema, kind):
+    return next((v for v in schema["anyOf"] if v["properties"]["action"]["enum"] == [kind]), None)
+
+
+def _kinds(schema):
+    return [v["properties"]["action"]["enum"][0] for v in schema["anyOf"]]
+
+
+def test_effective_spawn_delegates_whole_dependency_levels_in_order():
+    schema = action_schema_for(MIXED_VIEW, effective=True)
+    spawn = lambda ids: {"action": "spawn", "n": 2, "profile": "large", "subtasks": ids}
+    # levels: {c0h0, c1h0} (depth 0), {c0h1} (depth 1), {sum} (depth 2)
+    for ok in (["c0h0", "c1h0"], ["c0h0", "c1h0", "c0h1"], ["c0h0", "c1h0", "c0h1", "sum"]):
+        jsonschema.validate(spawn(ok), schema)
+        assert parse_action(json.dumps(spawn(ok))).ok
+    for bad in ([], ["c0h0"], ["c1h0", "c0h0"], ["c0h0", "c0h1"], ["c0h0", "c0h0"],
+                ["c0h0", "c1h0", "c0h1", "sum", "c0h0"]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(spawn(bad), schema)
+    # c0h0 is queued on #0, c1h0 done, c0h1 failed: unplanned are c0h1 and sum (levels 1 and 2)
+    later = {**MIXED_VIEW, "subagents": [{"id": 0, "queue": ["c0h0"]}, {"id": 1, "queue": [], "retired": True}],
+             "subtasks": [{"item": "c0h0", "status": "queued"}, {"item": "c1h0", "status": "done"},
+                          {"item": "c0h1", "status": "failed"}], "results": {"c1h0": "7"}}
+    options = _variant(action_schema_for(later, effective=True), "spawn")["properties"]["subtasks"]["anyOf"]
+    assert [[p["const"] for p in o["prefixItems"]] for o in options] == [["c0h1"], ["c0h1", "sum"]]
+    eff = action_schema_for(later, effective=True)
+    assert _variant(eff, "replan")["properties"]["scope"]["enum"] == ["failed", "remaining", "all"]
+    assert _variant(eff, "assign")["properties"]["subtask"]["enum"] == ["c0h1"]   # its input c0h0 is live
+    assert "join" in _kinds(eff)
+    assert _variant(eff, "assign")["properties"]["subagent"]["enum"] == [0]        # #1 is retired
+
+
+def test_effective_schema_offers_only_actions_that_change_the_state():
+    assert _kinds(action_schema_for(MIXED_VIEW, effective=True)) == ["spawn", "solve", "finish"]
+    # everything answered, nothing queued: finish is all that is left
+    done = {**MIXED_VIEW, "subagents": [{"id": 0, "queue": []}],
+            "subtasks": [{"item": i, "status": "done"} for i in ("c0h0", "c1h0", "c0h1", "sum")],
+            "results": {"c0h0": "a", "c1h0": "b", "c0h1": "c", "sum": "d"}}
+    assert _kinds(action_schema_for(done, effective=True)) == ["finish"]
+    assert _kinds(action_schema_for(done)) == ["spawn", "assign", "join", "replan", "finish"]  # without: no-ops too
+    # all planned and queued: join (and cancelling replans), no spawn or assign
+    planned = {**done, "subagents": [{"id": 0, "queue": ["sum"]}], "results": {"c0h0": "a", "c1h0": "b", "c0h1": "c"},
+               "subtasks": done["subtasks"][:3] + [{"item": "sum", "status": "queued"}]}
+    assert _kinds(action_schema_for(planned, effective=True)) == ["join", "replan", "solve", "finish"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"action": "replan", "scope": "failed"}, action_schema_for(planned, effective=True))
+
+
+def test_solve_is_offered_on_the_items_whose_inputs_are_known():
+    ready = lambda view: _variant(action_schema_for(view), "solve")["properties"]["subtask"]["enum"]
+    assert ready(MIXED_VIEW) == ["c0h0", "c1h0"]
+    assert ready({**MIXED_VIEW, "results": {"c0h0": "x", "c1h0": "y"}}) == ["c0h1"]
+    assert ready({**MIXED_VIEW, "results": {"c0h0": "x", "c1h0": "y", "c0h1": "z"}}) == ["sum"]
+    everything = {"c0h0": "x", "c1h0": "y", "c0h1": "z", "sum": "w"}
+    assert _variant(action_schema_for({**MIXED_VIEW, "results": everything}), "solve") is None
+    assert _variant(action_schema_for({**MIXED_VIEW, "solve": False}), "solve") is None
+
+
+def test_solve_is_offered_only_where_the_own_budget_covers_the_item():
+    view = {"items": [{"id": "w0", "deps": [], "path": ["a", "b", "c"]}, {"id": "w1", "deps": [], "path": ["a"]}],
+            "subagents": [], "results": {}, "max_concurrent": 4, "solve": True,
+            "max_tool_calls": 8, "tool_calls": 6, "max_steps": 10, "step": 3}
+    ready = lambda v: (_variant(action_schema_for(v), "solve") or {"properties": {"subtask": {"enum": []}}})[
+        "properties"]["subtask"]["enum"]
+    assert ready(view) == ["w1"]                                   # w0 needs 3 tool calls, 2 are left
+    assert ready({**view, "tool_calls": 0}) == ["w0", "w1"]
+    assert ready({**view, "tool_calls": 0, "step": 8}) == ["w1"]    # 2 turns left (this one included)
+    assert ready({**view, "tool_calls": 8}) == []
+
+
+def test_narrowed_schemas_compile_with_xgrammar(tiny_model_dir):
+    from aflow_rl.serving.grammar import GrammarBackend
+
+    backend = GrammarBackend.from_pretrained(tiny_model_dir)
+    assert backend.compile({"json_schema": json.dumps(action_schema_for(MIXED_VIEW, effective=True))})
+
+
+def test_with_solve_the_narrowed_schema_leaves_out_raw_tool_calls_and_bounds_answer_values():
+    assert _variant(action_schema_for(MIXED_VIEW), "tool_call") is None
+    assert _variant(action_schema_for({**MIXED_VIEW, "solve": False}), "tool_call") is not None
+    schema = action_schema_for(MIXED_VIEW)
+    jsonschema.validate({"action": "finish", "answer": {"sum": "x" * 32}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"action": "finish", "answer": {"sum": "x" * 33}}, schema)
