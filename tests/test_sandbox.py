@@ -214,9 +214,12 @@ def test_write_outside_its_directory_contained(jail, tmp_path, target):
 
 
 def test_run_dir_and_host_processes_invisible(jail, tmp_path):
-    # Stand-ins for run.dir: a file this test just wrote, this repository's files.
+    # Stand-ins for run.dir: a file this test just wrote, this repository's files. (Not the repository's
+    # directory itself: a venv inside a checkout under /tmp is bound into the jail's /tmp, so the path
+    # down to it exists there as empty mount points, without the repository's files.)
     (tmp_path / "run_dir_file.txt").write_text("private")
-    paths = [str(tmp_path / "run_dir_file.txt"), os.path.abspath(__file__), os.getcwd()]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [str(tmp_path / "run_dir_file.txt"), os.path.abspath(__file__), os.path.join(repo, "setup.py")]
     r = run_python(f"import os\nprint([os.path.exists(p) for p in {paths!r}])\n"
                    "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
                    "print(os.getuid() != 0, os.getcwd())")
