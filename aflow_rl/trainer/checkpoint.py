@@ -232,13 +232,18 @@ def manifest(root: str, check: str = "sha256") -> dict[str, dict]:
     return out
 
 
+def _load_json(path: str, what: str):
+    """The JSON in ``path``; CheckpointError naming ``what`` if it cannot be read or parsed."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{what} unreadable ({exc})") from None
+
+
 def read_marker(path: str) -> dict:
     """The ``COMPLETE`` marker's JSON (step, time, world_size, files); CheckpointError if unreadable."""
-    try:
-        with open(os.path.join(path, MARKER)) as f:
-            marker = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{MARKER} marker unreadable ({exc})") from None
+    marker = _load_json(os.path.join(path, MARKER), f"{MARKER} marker")
     if not isinstance(marker, dict):
         raise CheckpointError(f"{MARKER} marker is not a JSON object")
     return marker
@@ -370,11 +375,7 @@ def save_checkpoint(engine: Any, run_dir: str, state: TrainerState, *, tokenizer
 
 def read_trainer_state(path: str) -> TrainerState:
     """The :class:`TrainerState` stored in checkpoint ``path`` (no weights loaded)."""
-    try:
-        with open(os.path.join(path, STATE_FILE)) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: {STATE_FILE} unreadable ({exc})") from None
+    raw = _load_json(os.path.join(path, STATE_FILE), f"{path}: {STATE_FILE}")
     names = {f.name for f in dataclasses.fields(TrainerState)}
     return TrainerState(**{k: v for k, v in raw.items() if k in names})
 

@@ -18,6 +18,7 @@ from aflow_rl import sandbox
 from aflow_rl.envs.aflow.datasets import load_dataset
 from aflow_rl.envs.aflow.scoring import run_tests, score
 from aflow_rl.sandbox import run_python
+from tests.test_sandbox import mode  # noqa: F401  (the jail/basic fixture)
 
 WRONG = "    return False\n"  # has_close_elements is True for several of its tests
 
@@ -108,15 +109,6 @@ HACKS = [
 @pytest.fixture(scope="module")
 def problem():
     return next(p for p in load_dataset("humaneval") if p.id == "HumanEval/0")
-
-
-@pytest.fixture(params=["jail", "basic"])
-def mode(request, monkeypatch):
-    monkeypatch.delenv("AFLOW_SANDBOX", raising=False)
-    if request.param == "jail" and sandbox.isolation() != "jail":
-        pytest.skip("no jail on this machine (needs Linux, root, CAP_SYS_ADMIN)")
-    monkeypatch.setenv("AFLOW_SANDBOX", request.param)
-    return request.param
 
 
 def naive_harness_passes(problem, completion: str) -> bool:
