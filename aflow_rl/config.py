@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
+
+from aflow_rl.redaction import redact, secret_name  # noqa: F401  (re-exported: config.redact)
 
 
 class ConfigError(ValueError):
@@ -317,9 +320,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise bad
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise bad
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad
+        try:
+            number = float(value)
+        except OverflowError:  # a 400-digit integer
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r:.40}; write a number such as 1e-5")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -403,6 +412,58 @@ def _fix_yaml_floats(node: Any) -> Any:
     return node
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping, at any depth.
+
+    PyYAML keeps the last of two equal keys without a word, so a second ``trainer:``
+    block silently replaced the first one. Merge keys (``<<: *base``) may still be
+    overridden: only keys written out in the same mapping are compared.
+    """
+
+    def check_unique(self, node: yaml.Node, path: str = "") -> None:
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.check_unique(item, f"{path}[{i}]")
+        if not isinstance(node, yaml.MappingNode):
+            return
+        seen: dict = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            full = f"{path}.{key}" if path else str(key)
+            if key is not None and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise ConfigError(f"{self.name}:{line}: duplicate key '{full}' (first at line {seen[key]}); "
+                                      "a repeated key silently replaces the first one: merge the two into one")
+                seen[key] = line
+            self.check_unique(value_node, full)
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        self.check_unique(node)
+        return self.construct_document(node)
+
+
+def _read_yaml(stream: Any, path: str) -> Any:
+    """Parse a recipe strictly; a syntax error keeps its line and column (1-based)."""
+    loader = _StrictLoader(stream)
+    loader.name = path
+    try:
+        return loader.get_single_data() or {}
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        what = "; ".join(x for x in (exc.context, exc.problem) if x)
+        hint = " (YAML indents with spaces, not tabs)" if "'\\t'" in what else ""
+        raise ConfigError(f"{where}: not valid YAML: {what}{hint}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML recipe (optional), apply ``key=value`` overrides, validate."""
     data: dict = {}
@@ -410,10 +471,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path} (configs/ has the shipped recipes)")
         with open(path) as fh:
-            try:
-                data = yaml.safe_load(fh) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+            data = _read_yaml(fh, path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     data = _fix_yaml_floats(data)
@@ -427,29 +485,16 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
-    positive = {
-        "trainer.max_steps": cfg.trainer.max_steps,
-        "rollout.workers": cfg.rollout.workers,
-        "rollout.concurrency_per_worker": cfg.rollout.concurrency_per_worker,
-        "rollout.max_attempts": cfg.rollout.max_attempts,
-        "rollout.group_size": cfg.rollout.group_size,
-        "rollout.tasks_per_step": cfg.rollout.tasks_per_step,
-        "env.swarm.max_steps": cfg.env.swarm.max_steps,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}: must be at least 1, got {value}")
+    _validate_minimums(cfg)
+    _validate_durations(cfg)
     if cfg.trainer.epochs > 0:
         if cfg.rollout.num_tasks < 1:
             raise ConfigError("trainer.epochs needs a fixed task set: set rollout.num_tasks")
         cfg.trainer.max_steps = -(-cfg.trainer.epochs * cfg.rollout.num_tasks // cfg.rollout.tasks_per_step)
-    if cfg.trainer.max_failed_step_retries < 0:
-        raise ConfigError(f"trainer.max_failed_step_retries: must be at least 0, got {cfg.trainer.max_failed_step_retries}")
     if cfg.env.swarm.min_items > cfg.env.swarm.max_items:
         raise ConfigError("env.swarm.min_items must not exceed env.swarm.max_items")
     _validate_task_mix(cfg.env.swarm)
-    if cfg.resume not in ("auto", "never") and not cfg.resume:
-        raise ConfigError("resume: use auto, never, or a checkpoint path")
+    _validate_paths(cfg)
     for role in ("policy", "actor"):
         server: ServerConfig = getattr(cfg.serving, role)
         if server.backend == "external" and not server.urls:
@@ -460,6 +505,95 @@ def validate(cfg: Config) -> None:
         raise ConfigError("rollout.dask_address: the dask backend needs a scheduler address (tcp://host:8786)")
     if ":" not in cfg.rollout.worker:
         raise ConfigError(f"rollout.worker: expected module:function, got {cfg.rollout.worker!r}")
+
+
+# Integer keys below which a run trains nothing or crashes mid-way: (minimum, what to do instead).
+_MINIMUMS = {
+    "trainer.max_steps": (1, "the number of training iterations"),
+    "rollout.workers": (1, "worker processes"),
+    "rollout.concurrency_per_worker": (1, "episodes at once per worker"),
+    "rollout.max_attempts": (1, "attempts per episode"),
+    "rollout.group_size": (2, "GRPO/GiGPO advantages compare the episodes of one group, so a group of 1 "
+                              "has zero advantage and trains nothing"),
+    "rollout.tasks_per_step": (1, "tasks per iteration"),
+    "env.swarm.max_steps": (1, "orchestrator turns per episode"),
+    "trainer.ppo_epochs": (1, "passes over each batch; 0 makes no update"),
+    "trainer.micro_batch_size": (1, "sequences per forward/backward"),
+    "trainer.grad_accum": (1, "micro-batches per optimizer step"),
+    "trainer.save_every": (1, "checkpoint every N steps; the last step is always saved, so "
+                              "save_every >= trainer.max_steps saves only at the end"),
+    "trainer.sync_every": (1, "weight syncs every N steps; a value above trainer.max_steps never syncs"),
+    "trainer.log_every": (1, "scalars every N steps"),
+    "trainer.sample_every": (1, "text samples every N steps; a value above trainer.max_steps logs only step 0"),
+    "trainer.max_failed_step_retries": (0, "retries of a step whose episodes all failed"),
+    "serving.policy.num_servers": (1, "server processes of the role"),
+    "serving.actor.num_servers": (1, "server processes of the role"),
+}
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _validate_minimums(cfg: Config) -> None:
+    for key, (low, why) in _MINIMUMS.items():
+        value = _get(cfg, key)
+        if value < low:
+            raise ConfigError(f"{key}: must be at least {low}, got {value} ({why})")
+    if cfg.trainer.lr <= 0:
+        raise ConfigError(f"trainer.lr: must be positive, got {cfg.trainer.lr:g} (0 trains nothing; try 1e-6 to 1e-5)")
+
+
+def _duration_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every float key in seconds (its name ends in _s), found from the dataclasses."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += _duration_keys(hints[f.name], prefix + f.name + ".")
+        elif f.name.endswith("_s") and hints[f.name] is float:
+            out.append(prefix + f.name)
+    return out
+
+
+def _validate_durations(cfg: Config) -> None:
+    """A limit (``*timeout_s``, ``max_wall_s``) must be > 0: at 0 or below every episode, request or
+    start-up fails at once. A pause (``*grace_s``, ``backoff_s``) may be 0 but not negative."""
+    for key in _duration_keys():
+        value = _get(cfg, key)
+        name = key.rsplit(".", 1)[-1]
+        if name.endswith(("timeout_s", "wall_s")) and value <= 0:
+            raise ConfigError(f"{key}: must be a positive number of seconds, got {value:g} "
+                              f"(default {_get(Config(), key):g}); a limit of 0 or less fails everything at once")
+        if value < 0:
+            raise ConfigError(f"{key}: must be 0 or more seconds, got {value:g} (default {_get(Config(), key):g})")
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _validate_paths(cfg: Config) -> None:
+    """run.dir must be a writable folder (or creatable in one); resume must exist."""
+    run_dir = cfg.run_dir
+    found = _nearest_existing(run_dir)
+    if not os.path.isdir(found):
+        what = "exists and is not a folder" if found == os.path.abspath(run_dir) else f"is under {found!r}, a file"
+        raise ConfigError(f"run.dir: {run_dir!r} {what}, not a folder; set run.dir to a folder path")
+    if not os.access(found, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.dir: {found!r} is not writable; set run.dir to a folder you can write")
+    if cfg.resume in ("auto", "never"):
+        return
+    if not cfg.resume:
+        raise ConfigError("resume: use auto, never, or a checkpoint path")
+    if not os.path.exists(cfg.resume):
+        raise ConfigError(f"resume: no checkpoint or run folder at {cfg.resume!r}; use auto, never, "
+                          "or an existing run_dir/checkpoints/step_<N> path")
 
 
 def _validate_task_mix(sw: SwarmEnvConfig) -> None:
@@ -488,25 +622,8 @@ def _validate_task_mix(sw: SwarmEnvConfig) -> None:
 # Output
 # ---------------------------------------------------------------------------
 
-# A key *named* like a secret (api_key, hf_token, db_password); not api_key_env, which names a variable.
-_SECRET = re.compile(r"(^|_)(api_key|secret|password|passwd|token)$", re.I)
-
-
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def redact(data: Any, key: str = "") -> Any:
-    """Replace secret-looking values (api keys, passwords, credentials in URLs)."""
-    if isinstance(data, dict):
-        return {k: redact(v, str(k)) for k, v in data.items()}
-    if isinstance(data, list):
-        return [redact(v, key) for v in data]
-    if isinstance(data, str):
-        if data and _SECRET.search(key):
-            return "***"
-        return re.sub(r"(://[^/:@\s]+:)[^@/\s]+@", r"\1***@", data)
-    return data
 
 
 def save_resolved(cfg: Config, path: str | None = None) -> str:
