@@ -4,8 +4,12 @@ Every field has a default and one line of help (``python train.py --help``
 prints them all). Loading is strict, in the spirit of torchtune recipes and
 TRL's config dataclasses: an unknown key is an error that names the closest
 valid key, a value of the wrong type names the field and the expected type,
-and a missing file says so. ``save_resolved`` writes the final config into
-``run.dir`` with secrets redacted.
+and a missing file says so. A duplicate YAML key, a syntax error (with its line and
+column) and any value that would make a run train nothing or crash later (``validate``:
+group_size < 2, non-positive timeouts, step intervals < 1, non-finite floats, a missing
+resume path, a file as run.dir) are one-line errors at load time. ``save_resolved``
+writes the final config into ``run.dir`` with secrets redacted (``aflow_rl/redaction.py``).
+docs/security.md lists every rule.
 
     cfg = load_config("configs/quickstart.yaml", ["trainer.max_steps=5"])
 """
@@ -23,7 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
-from aflow_rl.redaction import redact, secret_name  # noqa: F401  (re-exported: config.redact)
+from aflow_rl.redaction import redact  # noqa: F401  (re-exported: config.redact is public)
 
 
 class ConfigError(ValueError):
