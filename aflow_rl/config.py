@@ -385,14 +385,23 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key:
         raise ConfigError(f"override '{item}' has an empty key")
     # YAML parses numbers, booleans, lists ([a, b]) and null; a bare word stays a string.
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+    value = _parse_override_value(raw, key) if raw.strip() else ""
     # YAML 1.1 reads 1e-6 as a string; a float field deserves the float.
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
         value = float(value)
     return key.split("."), value
+
+
+def _parse_override_value(raw: str, key: str) -> Any:
+    """YAML for one override value (strict: ``k={a: 1, a: 2}`` is a duplicate); not YAML -> the raw string."""
+    loader = _StrictLoader(raw)
+    loader.name = f"override {key}="
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError:
+        return raw
+    finally:
+        loader.dispose()
 
 
 def _merge(base: dict, path: list[str], value: Any) -> None:

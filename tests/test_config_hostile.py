@@ -228,3 +228,8 @@ def test_train_py_exits_nonzero_with_one_line(tmp_path, override):
     assert proc.stderr.strip().startswith(f"config error: {override.split('=')[0]}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run").exists()     # nothing was started or written
+
+
+def test_duplicate_key_inside_an_override():
+    msg = load_error("trainer={lr: 1.0e-5, lr: 2.0e-5}")
+    assert "override trainer=" in msg and "duplicate key 'lr'" in msg
