@@ -597,7 +597,7 @@ def _validate_paths(cfg: Config) -> None:
     found = _nearest_existing(run_dir)
     if not os.path.isdir(found):
         what = "exists and is not a folder" if found == os.path.abspath(run_dir) else f"is under {found!r}, a file"
-        raise ConfigError(f"run.dir: {run_dir!r} {what}, not a folder; set run.dir to a folder path")
+        raise ConfigError(f"run.dir: {run_dir!r} {what}; set run.dir to a folder path")
     if not os.access(found, os.W_OK | os.X_OK):
         raise ConfigError(f"run.dir: {found!r} is not writable; set run.dir to a folder you can write")
     if cfg.resume in ("auto", "never"):
