@@ -9,7 +9,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["aflow_rl", "aflow_rl.*", "workers", "workers.*"]),
-    py_modules=["train"],
     # Every third-party module that aflow_rl/, workers/ and train.py import at module level
     # (tests/test_dependencies.py fails on an import that is not declared here).
     install_requires=[
