@@ -497,7 +497,7 @@ class Engine:
         batch = self._batch
         lead = int((batch.mask.cumsum(-1) == 0).sum(-1).min())
         if lead:
-            layers = [(l.keys[:, :, lead:], l.values[:, :, lead:]) for l in batch.cache.layers]
+            layers = [(layer.keys[:, :, lead:], layer.values[:, :, lead:]) for layer in batch.cache.layers]
             batch.cache = self._make_cache(layers)
             batch.mask = batch.mask[:, lead:]
 
