@@ -7,9 +7,8 @@ setup(
     description="Train LLM orchestrators (planning, parallel subagents, workflow search) with RL.",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # asyncio.TaskGroup and BaseExceptionGroup (aflow_rl/envs/aflow/evaluator.py)
     packages=find_packages(include=["aflow_rl", "aflow_rl.*", "workers", "workers.*"]),
-    py_modules=["train"],
     # Every third-party module that aflow_rl/, workers/ and train.py import at module level
     # (tests/test_dependencies.py fails on an import that is not declared here).
     install_requires=[
@@ -36,8 +35,9 @@ setup(
     ],
     extras_require={
         # Everything tests/ imports beyond install_requires (tests/test_dependencies.py checks this list).
+        # ruff: the lint .ci/run runs before the tests (rules in ruff.toml).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "jsonschema>=4.0", "openai>=1.40", "distributed>=2024.1",
-                 "regex>=2023.0"],
+                 "regex>=2023.0", "ruff>=0.6"],
         "gpu": ["sglang[all]>=0.4", "sglang-router"],
         "dask": ["distributed>=2024.1"],  # the rollout.backend=dask client (pulls in dask itself)
     },

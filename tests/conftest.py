@@ -40,3 +40,16 @@ def tiny_model_dir_b(tmp_path_factory):
 
     return build(str(tmp_path_factory.mktemp("models_b") / "tiny"), preset="tiny", seed=1)
 
+
+
+@pytest.fixture(params=["jail", "basic"])
+def mode(request, monkeypatch):
+    """Each sandbox isolation mode in turn (AFLOW_SANDBOX); jail skips where the machine cannot make one.
+    Shared by tests/test_sandbox.py and the AFlow reward-hack battery."""
+    from aflow_rl import sandbox
+
+    monkeypatch.delenv("AFLOW_SANDBOX", raising=False)
+    if request.param == "jail" and sandbox.isolation() != "jail":
+        pytest.skip("no jail on this machine (needs Linux, root, CAP_SYS_ADMIN)")
+    monkeypatch.setenv("AFLOW_SANDBOX", request.param)
+    return request.param

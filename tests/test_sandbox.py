@@ -23,15 +23,6 @@ def _has_cap_sys_admin() -> bool:
     return bool(int(caps.split()[1], 16) & (1 << 21))
 
 
-@pytest.fixture(params=["jail", "basic"])
-def mode(request, monkeypatch):
-    monkeypatch.delenv("AFLOW_SANDBOX", raising=False)
-    if request.param == "jail" and sandbox.isolation() != "jail":
-        pytest.skip("no jail on this machine (needs Linux, root, CAP_SYS_ADMIN)")
-    monkeypatch.setenv("AFLOW_SANDBOX", request.param)
-    return request.param
-
-
 @pytest.fixture
 def jail(monkeypatch):
     monkeypatch.delenv("AFLOW_SANDBOX", raising=False)

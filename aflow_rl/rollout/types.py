@@ -79,10 +79,6 @@ class Trajectory:
         return np.asarray([t.step_reward for t in self.turns], dtype=np.float64)
 
     @property
-    def policy_versions(self) -> list[int]:
-        return [t.policy_version for t in self.turns]
-
-    @property
     def ok(self) -> bool:
         return self.status == "ok"
 

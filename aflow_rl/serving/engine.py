@@ -15,7 +15,7 @@ is the xgrammar mask (if any); at temperature 0 the choice is greedy and the
 logprob is the log-softmax of the masked raw logits. ``top_p``/``top_k`` only
 filter the sampling distribution, never the reported logprobs. Prompt logprobs
 (``logprob_start_len``) are the log-softmax of the raw logits, as SGLang's default.
-:func:`token_logprobs` is that formula, for anyone who recomputes them.
+:func:`aflow_rl.logprobs.policy_logprobs` is that formula; the trainer recomputes with it too.
 """
 from __future__ import annotations
 
@@ -31,12 +31,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from aflow_rl.logprobs import is_greedy, policy_logprobs
 from aflow_rl.serving.grammar import GrammarBackend, eos_token_ids, mask_logits_, unpack_bitmask
 
 log = logging.getLogger("aflow_rl.serving.engine")
 
-# SGLang treats a temperature below this as greedy (and reports logprobs at temperature 1).
-GREEDY_EPS = 1e-6
 # Config fields two checkpoints must share for a hot weight swap.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
@@ -92,21 +91,6 @@ class GenerateResult:
     weight_version: str
     e2e_latency: float
     queue_time: float
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0,
-                   allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """SGLang's reported logprobs: ``log_softmax(mask(logits) / T)[token]``.
-
-    ``logits`` is ``[T, V]``, ``token_ids`` ``[T]``, ``allowed`` an optional grammar mask
-    ``BoolTensor [T, V]`` (see :func:`aflow_rl.serving.grammar.grammar_masks`). Temperature
-    0 means greedy decoding, whose logprobs are taken at temperature 1.
-    """
-    logits = logits.float().clone()
-    if allowed is not None:
-        mask_logits_(logits, allowed)
-    scale = 1.0 if temperature < GREEDY_EPS else float(temperature)
-    return torch.log_softmax(logits / scale, dim=-1).gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 
 
 def resolve_dtype(name: str, config) -> torch.dtype:
@@ -497,7 +481,7 @@ class Engine:
         batch = self._batch
         lead = int((batch.mask.cumsum(-1) == 0).sum(-1).min())
         if lead:
-            layers = [(l.keys[:, :, lead:], l.values[:, :, lead:]) for l in batch.cache.layers]
+            layers = [(layer.keys[:, :, lead:], layer.values[:, :, lead:]) for layer in batch.cache.layers]
             batch.cache = self._make_cache(layers)
             batch.mask = batch.mask[:, lead:]
 
@@ -514,9 +498,8 @@ class Engine:
             rows = torch.tensor(grammar_rows, dtype=torch.long)
             logits[rows] = mask_logits_(logits[rows], unpack_bitmask(bitmask[rows], logits.shape[-1]))
         temps = [s.req.params.temperature for s in seqs]
-        greedy = [t < GREEDY_EPS for t in temps]
-        scale = torch.tensor([1.0 if g else t for t, g in zip(temps, greedy)], dtype=logits.dtype)
-        logprobs = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)       # [N, V], reported
+        greedy = [is_greedy(t) for t in temps]
+        logprobs = policy_logprobs(logits, temps)                               # [N, V], reported (masked above)
         if all(greedy):
             tokens = logits.argmax(-1)
         else:

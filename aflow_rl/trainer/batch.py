@@ -19,11 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from aflow_rl.logprobs import policy_logprobs
 from aflow_rl.rollout.types import Turn
-
-# Below this temperature SGLang (and aflow_rl.serving.engine) decodes greedily and
-# reports logprobs at temperature 1.
-GREEDY_EPS = 1e-6
 
 # A grammar mask per sequence: BoolTensor [T, V] (True = allowed), or xgrammar's
 # packed int32 bitmask [T, ceil(V/32)] (32x smaller; unpacked just before use).
@@ -212,15 +209,14 @@ def sequence_logprobs(model: Any, batch: MicroBatch, temperature: float,
 
     ``model`` is a DeepSpeed engine or a Hugging Face causal LM. Only the logits
     that predict response tokens are materialised (``logits_to_keep`` with the
-    [B, T] positions). Then ``log_softmax(masked_logits / temperature)`` in fp32;
-    below the server's greedy threshold the temperature is 1, as SGLang reports.
+    [B, T] positions). Then the server's kernel, :func:`aflow_rl.logprobs.policy_logprobs`:
+    ``log_softmax(masked_logits / temperature)`` in fp32, at temperature 1 below the greedy threshold.
     ``grammar_masks`` (default: ``batch.grammar_masks``) has one :data:`GrammarMask`
     or None per row. Returns ``logp`` [B, T] and ``entropy`` [B, T] of the masked,
     tempered distribution, both 0 on padding; entropy carries a gradient only with
     ``entropy_grad`` (it costs a second [B, T, V] graph).
     """
     masks = batch.grammar_masks if grammar_masks is None else list(grammar_masks)
-    scale = 1.0 if temperature < GREEDY_EPS else float(temperature)
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, logits_to_keep=batch.logit_positions, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]
@@ -228,8 +224,8 @@ def sequence_logprobs(model: Any, batch: MicroBatch, temperature: float,
     if logits.shape[:2] != (B, T):
         raise RuntimeError(f"model returned logits {tuple(logits.shape)} for positions {(B, T)}: "
                            "the model must accept a [B, T] integer logits_to_keep (transformers >= 5)")
-    logits = logits.float() / scale                                            # [B, T, V]
     V = logits.shape[-1]
+    allowed = None
     if masks and any(m is not None for m in masks):
         allowed = torch.ones((B, T, V), dtype=torch.bool, device=logits.device)
         for b, m in enumerate(masks):
@@ -242,8 +238,7 @@ def sequence_logprobs(model: Any, batch: MicroBatch, temperature: float,
             b, t = (valid & ~picked).nonzero()[0].tolist()
             raise ValueError(f"response token {int(batch.response_ids[b, t])} (row {b}, position {t}) "
                              "is not allowed by its grammar mask")
-        logits = logits.masked_fill(~allowed, float("-inf"))
-    logp_all = torch.log_softmax(logits, dim=-1)                               # [B, T, V]
+    logp_all = policy_logprobs(logits, temperature, allowed)                   # [B, T, V], the server's formula
     logp = logp_all.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)   # [B, T]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         # where(), not masked products: 0 * -inf would put NaN into the backward pass.

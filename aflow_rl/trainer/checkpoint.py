@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from aflow_rl.dist import rank
 from aflow_rl.trainer.weights import export_hf
 
 CHECKPOINTS = "checkpoints"
@@ -326,11 +327,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _write_json(path: str, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(obj, f)
@@ -350,17 +346,17 @@ def save_checkpoint(engine: Any, run_dir: str, state: TrainerState, *, tokenizer
     root = os.path.join(run_dir, CHECKPOINTS)
     final = os.path.join(root, f"step_{state.step}")
     tmp = os.path.join(root, f".step_{state.step}.tmp")
-    rank = _rank()
-    if rank == 0:
+    me = rank()
+    if me == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)   # a leftover from a crashed save
         os.makedirs(os.path.join(tmp, "rng"))
     _barrier()
     engine.save_checkpoint(tmp, tag=DS_TAG, client_state={"trainer_step": state.step})
     export_hf(engine, tokenizer, os.path.join(tmp, "hf"))
-    _write_json(os.path.join(tmp, "rng", f"rank_{rank}.json"), capture_rng())
+    _write_json(os.path.join(tmp, "rng", f"rank_{me}.json"), capture_rng())
     _barrier()
-    if rank == 0:
+    if me == 0:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         _write_json(os.path.join(tmp, STATE_FILE), {**dataclasses.asdict(state), "world_size": world})
         _write_json(os.path.join(tmp, MARKER), {"step": state.step, "time": started, "world_size": world,
@@ -394,7 +390,7 @@ def load_checkpoint(engine: Any, path: str, *, load_optimizer: bool = True) -> T
                               f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
     if loaded is None:
         raise CheckpointError(f"{path}: DeepSpeed found no loadable state in it")
-    rng_file = os.path.join(path, "rng", f"rank_{_rank()}.json")
+    rng_file = os.path.join(path, "rng", f"rank_{rank()}.json")
     if os.path.isfile(rng_file):   # absent when resuming with more ranks than were saved
         try:
             with open(rng_file) as f:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from aflow_rl.algos.ppo import ppo_loss, truncated_is_weight
+from aflow_rl.dist import rank_world
 from aflow_rl.rollout.types import Turn
 from aflow_rl.trainer.batch import GrammarMask, make_micro_batches, sequence_logprobs
 
@@ -151,19 +152,12 @@ def teardown_distributed() -> None:
 def share_from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (pickled broadcast; identity with one rank).
     train.py shares each rollout batch this way: only rank 0 runs the pool."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     if world == 1:
         return obj
     box = [obj if rank == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _rank_world() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 # ---------------------------------------------------------------------------
@@ -377,7 +371,7 @@ def train_step(engine: Any, turns: Sequence[Turn], advantages: Sequence[float] |
     DESIGN.md's tags, averaged over micro-batches and ranks.
     """
     t0 = time.perf_counter()
-    rank, world = _rank_world()
+    rank, world = rank_world()
     gas = engine.gradient_accumulation_steps()
     batches = [mb.to(engine.device) for mb in make_micro_batches(
         turns, advantages, micro_batch_size=engine.train_micro_batch_size_per_gpu(), grad_accum=gas,

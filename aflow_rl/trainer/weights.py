@@ -14,12 +14,7 @@ import shutil
 import tempfile
 from typing import Any
 
-import torch
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+from aflow_rl.dist import rank
 
 
 def _replace_dir(src: str, dst: str) -> None:
@@ -63,7 +58,7 @@ def export_hf(engine_or_model: Any, tokenizer: Any, out_dir: str) -> str:
     state_dict = None
     if engine is not None and engine.zero_optimization_partition_weights():
         state_dict = engine._zero3_consolidated_16bit_state_dict()   # full weights on rank 0, None elsewhere
-    if _rank() != 0:
+    if rank() != 0:
         return out_dir
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)

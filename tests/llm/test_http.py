@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 
@@ -33,9 +34,10 @@ def test_503_twice_then_ok_takes_three_calls(fake_server):
 
 
 def test_429_is_retried_and_retry_after_is_honoured(fake_server):
-    def reply(method, path, body, headers, _n=[0]):
-        _n[0] += 1
-        return (429, {"error": "slow down"}, {"retry-after": "0.3"}) if _n[0] == 1 else (200, {"ok": True})
+    calls = itertools.count(1)
+
+    def reply(method, path, body, headers):
+        return (429, {"error": "slow down"}, {"retry-after": "0.3"}) if next(calls) == 1 else (200, {"ok": True})
     srv = fake_server(reply)
     t = HTTPTransport([srv.url], max_retries=2, backoff_s=0.001)
     start = time.monotonic()

@@ -294,11 +294,6 @@ class SharedExperiencePool:
         rows = self._read(f"SELECT {_STATS_SQL} FROM experience WHERE parent_hash = ?", (parent_hash,))
         return _stats(rows[0] if rows else None)
 
-    def child_stats(self, child_hash: str) -> QStats:
-        """How often ``child_hash`` was produced, and the mean improvement it brought."""
-        rows = self._read(f"SELECT {_STATS_SQL} FROM experience WHERE child_hash = ?", (child_hash,))
-        return _stats(rows[0] if rows else None)
-
     def q_values(self) -> dict[str, QStats]:
         """``parent_stats`` of every parent, in one query."""
         rows = self._read(f"SELECT parent_hash, {_STATS_SQL} FROM experience WHERE parent_hash != '' "

@@ -117,9 +117,6 @@ class SearchTree:
             parent.children.append(node.hash)
         return node
 
-    def by_round(self, rnd: int) -> TreeNode | None:
-        return next((n for n in self.nodes.values() if n.round == rnd), None)
-
     def path(self, wf_hash: str) -> list[TreeNode]:
         """Root-to-node ancestry of ``wf_hash`` (stops at a parent outside the tree)."""
         out, seen, node = [], set(), self.nodes.get(wf_hash)

@@ -77,13 +77,6 @@ def find_numbers(text: str) -> list[Number]:
     return [n for m in _NUMBER.finditer(str(text)) if (n := _number(m)) is not None]
 
 
-def parse_number(text: str) -> Number | None:
-    """``text`` read as one number (surrounding spaces allowed), else None."""
-    text = str(text).strip()
-    m = _NUMBER.fullmatch(text)
-    return _number(m) if m else None
-
-
 def answer_number(text: str) -> Number | None:
     """The answer of a reply: last number in the last box, else first after the last ``####``, else last."""
     text = str(text)

@@ -24,7 +24,7 @@ from typing import Any
 
 from aflow_rl.envs.swarm.actions import Action
 from aflow_rl.envs.swarm.observation import Observation
-from aflow_rl.envs.swarm.policies import Decision, rule_decision
+from aflow_rl.envs.swarm.decision import Decision, rule_decision
 from aflow_rl.envs.swarm.tasks import topological_order
 
 _TOKEN_RESERVE = 0.9  # rule policies finish once this fraction of the token budget is spent

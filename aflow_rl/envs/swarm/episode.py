@@ -24,7 +24,7 @@ from aflow_rl.envs.swarm.actions import parse_action
 from aflow_rl.envs.swarm.kb import build_kb
 from aflow_rl.envs.swarm.metrics import episode_metrics
 from aflow_rl.envs.swarm.observation import render
-from aflow_rl.envs.swarm.policies import Policy
+from aflow_rl.envs.swarm.decision import Policy
 from aflow_rl.envs.swarm.profiles import SimulatedSubagents, SubagentExecutor
 from aflow_rl.envs.swarm.rewards import reward_components
 from aflow_rl.envs.swarm.runtime import Budgets, InvalidAction, SwarmRuntime

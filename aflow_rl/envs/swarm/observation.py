@@ -127,7 +127,7 @@ def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | 
                  f"tokens {rt.tokens_in + rt.tokens_out} of {b.max_tokens}, at most {b.max_concurrent} "
                  f"subagents at once.")
     if compact:
-        lines = [f"Items: " + " ".join(it["id"] + (f"<{','.join(it['deps'])}" if it["deps"] else "") for it in items)]
+        lines = ["Items: " + " ".join(it["id"] + (f"<{','.join(it['deps'])}" if it["deps"] else "") for it in items)]
         if rt.subagents:
             lines.append("Subagents: " + " ".join(f"#{g.id}:{len(g.queue)}" for g in rt.subagents))
         if rt.subtasks:

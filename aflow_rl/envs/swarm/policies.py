@@ -1,9 +1,10 @@
-"""Orchestrator policies: the protocol the episode loop drives, and the trained model policy.
+"""Orchestrator policies: the trained model policy, and ``make_policy``, which picks it or a baseline.
 
 A policy turns an Observation into one action text per turn. The model policy
 samples it from the policy server through ``generate_turn`` (token ids,
 server logprobs and the JSON-schema grammar go into a Turn for the trainer);
-the baselines of ``baselines.py`` compute it by rule and return no Turn.
+the baselines of ``baselines.py`` compute it by rule and return no Turn. The protocol the episode
+loop drives and the Decision a turn returns live in ``decision.py``, which both modules import.
 
     policy = make_policy(cfg, client=client, tokenizer=tok)   # env.swarm.policy picks which
     policy.begin_episode(task); d = await policy.act(obs); ...; policy.end_episode(task, metrics, rewards)
@@ -11,49 +12,16 @@ the baselines of ``baselines.py`` compute it by rule and return no Turn.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, ACTION_SCHEMA_SOLVE, Action, action_schema_for
+from aflow_rl.envs.swarm.actions import ACTION_SCHEMA, ACTION_SCHEMA_SOLVE, action_schema_for
+from aflow_rl.envs.swarm.baselines import make_baseline
+from aflow_rl.envs.swarm.decision import Decision, Policy
 from aflow_rl.envs.swarm.observation import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, Observation
-from aflow_rl.envs.swarm.profiles import ORCHESTRATOR_MS_PER_TOKEN_IN, ORCHESTRATOR_MS_PER_TOKEN_OUT, approx_tokens
 from aflow_rl.llm.base import LLMClient
 from aflow_rl.rollout.turns import generate_turn
-from aflow_rl.rollout.types import Turn
 
 POLICIES = ("model", "single", "heuristic", "bandit")
-
-
-@dataclass
-class Decision:
-    """One orchestrator turn: the action text, its Turn (model only), tokens and latency."""
-
-    text: str
-    turn: Turn | None = None
-    tokens_in: int = 0
-    tokens_out: int = 0
-    latency_ms: float = 0.0
-
-
-@runtime_checkable
-class Policy(Protocol):
-    name: str
-
-    def begin_episode(self, task: dict) -> None: ...
-
-    async def act(self, obs: Observation) -> Decision: ...
-
-    def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None: ...
-
-
-def rule_decision(obs: Observation, action: Action) -> Decision:
-    """A baseline's action as a Decision, with the tokens and virtual latency a model would have spent."""
-    text = action.to_json()
-    # Charged the prompt a model would read under the same env.swarm.prompt (compact or full).
-    system = COMPACT_SYSTEM_PROMPT if obs.view.get("compact") else SYSTEM_PROMPT
-    t_in, t_out = approx_tokens(system) + approx_tokens(obs.text), approx_tokens(text)
-    return Decision(text=text, tokens_in=t_in, tokens_out=t_out,
-                    latency_ms=t_in * ORCHESTRATOR_MS_PER_TOKEN_IN + t_out * ORCHESTRATOR_MS_PER_TOKEN_OUT)
 
 
 class ModelPolicy:
@@ -106,7 +74,4 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
                            task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt in ("compact", "shape"),
                            effective_actions=cfg.env.swarm.effective_actions)
-    # baselines import this module for Decision; importing them here, at call time, avoids the cycle.
-    from aflow_rl.envs.swarm.baselines import make_baseline
-
     return make_baseline(name, cfg)

@@ -48,7 +48,7 @@ def test_tree_links_children_and_paths():
     tree = _tree()
     assert tree.root.hash == "R" and tree.nodes["R"].children == ["A", "B"]
     assert [n.hash for n in tree.path("C")] == ["R", "A", "C"]
-    assert tree.by_round(3).hash == "B" and "C" in tree and len(tree) == 4
+    assert [n.hash for n in tree.nodes.values() if n.round == 3] == ["B"] and "C" in tree and len(tree) == 4
     assert tree.add(TreeNode("A", 9, 0.0)).round == 2   # a known hash keeps its node
 
 

@@ -18,7 +18,6 @@ from aflow_rl import sandbox
 from aflow_rl.envs.aflow.datasets import load_dataset
 from aflow_rl.envs.aflow.scoring import run_tests, score
 from aflow_rl.sandbox import run_python
-from tests.test_sandbox import mode  # noqa: F401  (the jail/basic fixture)
 
 WRONG = "    return False\n"  # has_close_elements is True for several of its tests
 

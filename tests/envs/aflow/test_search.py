@@ -119,8 +119,9 @@ def test_rounds_written_and_experience_recorded(tmp_path):
         assert json.loads((tmp_path / "workflows" / f"round_{r}" / "log.json").read_text())[0]["expected"] == "2"
     # Parent of each round is the recorded one; children link in the tree.
     tree = opt.tree()
+    hash_of_round = {n.round: n.hash for n in tree.nodes.values()}
     for e in results[1:]:
-        assert tree.nodes[e["hash"]].parent_hash == tree.by_round(e["parent"]).hash
+        assert tree.nodes[e["hash"]].parent_hash == hash_of_round[e["parent"]]
     pool = SharedExperiencePool(str(tmp_path / "experience.db"))
     recs = pool.records()
     assert [r.key for r in recs] == [f"search/{r}" for r in range(1, 6)]

@@ -23,7 +23,8 @@ def test_cli_table_and_json(tmp_path, capsys):
     assert "bar (wide)" in text and data["bar"]["passed"] in (True, False)
     # the same seed gives the same numbers (episodes_per_s is real time, left out)
     again = bench.run_bench(["single", "heuristic"], ["wide", "deep"], 4, 1)
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "episodes_per_s"} for r in rows]
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "episodes_per_s"} for r in rows]
     assert strip(again["rows"]) == strip(data["rows"])
 
 

@@ -23,7 +23,8 @@ from aflow_rl.config import load_config
 from aflow_rl.envs.swarm import rewards
 from aflow_rl.envs.swarm.actions import Action
 from aflow_rl.envs.swarm.baselines import SingleAgent, SpawnHack
-from aflow_rl.envs.swarm.policies import make_policy, rule_decision
+from aflow_rl.envs.swarm.decision import rule_decision
+from aflow_rl.envs.swarm.policies import make_policy
 from aflow_rl.envs.swarm.runtime import SwarmRuntime
 from aflow_rl.envs.swarm.tasks import task_width
 from aflow_rl.rollout.types import WorkerContext

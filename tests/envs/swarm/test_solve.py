@@ -97,7 +97,8 @@ def test_subagents_may_build_on_the_orchestrators_own_answer():
 
 def test_schema_offers_solve_only_when_enabled():
     view = {"items": [{"id": "h0"}, {"id": "h1"}], "subagents": [], "max_concurrent": 4}
-    kinds = lambda s: [v["properties"]["action"]["enum"][0] for v in s["anyOf"]]
+    def kinds(s):
+        return [v["properties"]["action"]["enum"][0] for v in s["anyOf"]]
     assert "solve" not in kinds(action_schema_for(view)) and "solve" not in kinds(ACTION_SCHEMA)
     narrowed = action_schema_for({**view, "solve": True})
     assert kinds(narrowed)[-2:] == ["solve", "finish"] and kinds(ACTION_SCHEMA_SOLVE)[-2:] == ["solve", "finish"]

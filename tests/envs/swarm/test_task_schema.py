@@ -81,7 +81,8 @@ def _kinds(schema):
 
 def test_effective_spawn_delegates_whole_dependency_levels_in_order():
     schema = action_schema_for(MIXED_VIEW, effective=True)
-    spawn = lambda ids: {"action": "spawn", "n": 2, "profile": "large", "subtasks": ids}
+    def spawn(ids):
+        return {"action": "spawn", "n": 2, "profile": "large", "subtasks": ids}
     # levels: {c0h0, c1h0} (depth 0), {c0h1} (depth 1), {sum} (depth 2)
     for ok in (["c0h0", "c1h0"], ["c0h0", "c1h0", "c0h1"], ["c0h0", "c1h0", "c0h1", "sum"]):
         jsonschema.validate(spawn(ok), schema)
@@ -120,7 +121,8 @@ def test_effective_schema_offers_only_actions_that_change_the_state():
 
 
 def test_solve_is_offered_on_the_items_whose_inputs_are_known():
-    ready = lambda view: _variant(action_schema_for(view), "solve")["properties"]["subtask"]["enum"]
+    def ready(view):
+        return _variant(action_schema_for(view), "solve")["properties"]["subtask"]["enum"]
     assert ready(MIXED_VIEW) == ["c0h0", "c1h0"]
     assert ready({**MIXED_VIEW, "results": {"c0h0": "x", "c1h0": "y"}}) == ["c0h1"]
     assert ready({**MIXED_VIEW, "results": {"c0h0": "x", "c1h0": "y", "c0h1": "z"}}) == ["sum"]
@@ -133,8 +135,9 @@ def test_solve_is_offered_only_where_the_own_budget_covers_the_item():
     view = {"items": [{"id": "w0", "deps": [], "path": ["a", "b", "c"]}, {"id": "w1", "deps": [], "path": ["a"]}],
             "subagents": [], "results": {}, "max_concurrent": 4, "solve": True,
             "max_tool_calls": 8, "tool_calls": 6, "max_steps": 10, "step": 3}
-    ready = lambda v: (_variant(action_schema_for(v), "solve") or {"properties": {"subtask": {"enum": []}}})[
-        "properties"]["subtask"]["enum"]
+    def ready(v):
+        offered = _variant(action_schema_for(v), "solve") or {"properties": {"subtask": {"enum": []}}}
+        return offered["properties"]["subtask"]["enum"]
     assert ready(view) == ["w1"]                                   # w0 needs 3 tool calls, 2 are left
     assert ready({**view, "tool_calls": 0}) == ["w0", "w1"]
     assert ready({**view, "tool_calls": 0, "step": 8}) == ["w1"]    # 2 turns left (this one included)
