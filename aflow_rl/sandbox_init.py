@@ -26,6 +26,7 @@ import ctypes
 import json
 import os
 import resource
+import select
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -184,21 +185,25 @@ def _exec_user(cfg: dict, status_fd: int) -> None:
         os._exit(125)
 
 
-def _die_with_parent(parent_pid: int | None) -> None:
+def _die_with_parent(parent_pid: int | None, parent_alive_fd: int | None = None) -> None:
     """SIGKILL from the kernel when the parent dies (the caller that launched us was killed, say), so a
     sleeping program cannot outlive it; it takes the rest with it (the jail's PID 1: the namespace).
     Linux clears this on the jailed program's setuid, which is why PID 1 holds it, not the program.
-    ``parent_pid`` None: the parent is outside our PID namespace (getppid() says 0), so the race
-    with a parent that died before the signal was armed cannot be checked (it waits on us)."""
+
+    A parent that died before the signal was armed sends none, so that case is checked after arming:
+    by ``getppid()``, or, where the parent is outside our PID namespace (getppid() says 0), by
+    ``parent_alive_fd``, the read end of a pipe only the parent holds open (EOF: it is gone)."""
     if sys.platform.startswith("linux"):
         _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
-    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before the signal was armed
+    if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(125)
+    if parent_alive_fd is not None and select.select([parent_alive_fd], [], [], 0)[0]:
+        os._exit(125)  # readable with nothing ever written: end of file, the parent has exited
 
 
-def _init(cfg: dict, status_fd: int) -> None:
+def _init(cfg: dict, status_fd: int, parent_alive_fd: int) -> None:
     """PID 1 of the sandbox: build the jail, run the program, reap, report how it ended."""
-    _die_with_parent(None)
+    _die_with_parent(None, parent_alive_fd)
     try:
         _build_jail(cfg["jail_root"], cfg["work"], cfg["python_dirs"], (cfg["prelude"], cfg["jail_prelude"]),
                     cfg.get("hidden", []))
@@ -232,9 +237,12 @@ def main() -> None:
     except OSError as e:
         os.write(status_fd, f"setup-error {e}\n".encode())
         os._exit(125)
+    alive_r, alive_w = os.pipe()  # we hold the write end until we exit: the init's proof we are alive
     pid = os.fork()  # the first child after unshare(CLONE_NEWPID) is PID 1 of the new namespace
     if pid == 0:
-        _init(cfg, status_fd)
+        os.close(alive_w)
+        _init(cfg, status_fd, alive_r)
+    os.close(alive_r)
     # We and the init stay in the parent-made process group, so the parent's killpg reaches
     # the init, whose death tears down the whole namespace.
     _, status = os.waitpid(pid, 0)
