@@ -5,7 +5,7 @@
     python train.py --help                                       # every config key with its help
     tensorboard --logdir runs/
 
-One iteration (DESIGN.md):
+One iteration (docs/architecture.md):
   rank 0: tasks -> RolloutPool (worker processes, episodes against the servers) -> Trajectories
   rank 0: PARL-shaped rewards -> GRPO/GiGPO advantages -> batch, shared with every rank
   all ranks: DeepSpeed PPO update
@@ -420,7 +420,7 @@ def _sync(engine, tokenizer, client, run_dir, version, cfg) -> float:
 
 
 def _rollout_stats(trajs, shaped, keep, pool_stats, lambdas) -> dict:
-    """Scalars of one rollout under DESIGN.md's tags."""
+    """Scalars of one rollout under the metric tags of docs/architecture.md."""
     ok = [i for i, t in enumerate(trajs) if t.ok]
     stats: dict[str, float] = {
         # The pool's own counters (pool/retries, pool/failed, worker deaths, ...) as it keeps them.

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Other tests set up a process group in this interpreter; train.py must start its own.
 ENV = clean_dist_env()
 
-# DESIGN.md's metric tags that every swarm run must write.
+# The metric tags (docs/architecture.md) that every swarm run must write.
 REQUIRED_TAGS = [
     "rewards/mean", "rewards/std", "rewards/r_perf/mean", "rewards/r_parallel/mean", "rewards/r_finish/mean",
     "rewards/format/mean", "losses/policy", "losses/kl", "losses/clipfrac", "losses/entropy", "losses/grad_norm",

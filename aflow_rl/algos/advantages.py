@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators: GRPO and GiGPO (DESIGN.md, Algorithms).
+"""Group-relative advantage estimators: GRPO and GiGPO (docs/architecture.md, Algorithms).
 
 GRPO (Shao et al., 2024, arXiv 2402.03300): every episode of a task group is
 scored against the other episodes of the same group,

@@ -8,7 +8,7 @@ where ``r_parallel`` rewards instantiating sub-agents (against serial
 collapse), ``r_finish`` rewards sub-tasks that actually complete (against
 spurious parallelism), and ``r_perf`` is the task outcome. The auxiliary
 weights fall linearly to 0 so that the final policy optimises the task reward
-alone (DESIGN.md, Algorithms). ``format`` is the penalty for malformed
+alone (docs/architecture.md, Algorithms). ``format`` is the penalty for malformed
 actions; it is never annealed.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PPO-clip policy loss for sampled LLM responses (DESIGN.md, Algorithms).
+"""PPO-clip policy loss for sampled LLM responses (docs/architecture.md, Algorithms).
 
 Per token t of a response, with ratio ``r_t = exp(logp_t - old_logp_t)`` and
 advantage ``A_t``:

@@ -1,4 +1,4 @@
-"""Trajectory: what one episode hands back to the trainer (DESIGN.md, Contracts).
+"""Trajectory: what one episode hands back to the trainer (docs/architecture.md, Contracts).
 
 Compact and picklable: token ids are int32 arrays, logprobs float32 arrays.
 ``to_dict``/``from_dict`` give a JSON-safe form for traces and replay.
@@ -103,7 +103,7 @@ class Trajectory:
 
 @dataclass
 class WorkerContext:
-    """What every worker process receives (DESIGN.md, Worker module).
+    """What every worker process receives (docs/architecture.md, Contracts).
 
     The pool pickles it to each process once; ``init_worker(ctx)`` fills
     ``state`` with per-process objects (clients, tokenizer), which never travel

@@ -8,7 +8,7 @@ micro-batches, a multiple of the gradient accumulation steps, because every
 would hang. A rank short of sequences gets a copy with an all-zero loss mask.
 
 :func:`sequence_logprobs` recomputes the server's logprobs: the log-softmax of
-the temperature-scaled logits after the grammar mask (DESIGN.md, Serving protocol).
+the temperature-scaled logits after the grammar mask (docs/architecture.md, Serving protocol).
 """
 from __future__ import annotations
 

@@ -368,7 +368,7 @@ def train_step(engine: Any, turns: Sequence[Turn], advantages: Sequence[float] |
     importance weight. Then ``ppo_epochs`` passes of forward / :func:`ppo_loss` /
     ``engine.backward`` / ``engine.step`` over the micro-batches; DeepSpeed steps
     the optimizer every ``grad_accum`` micro-batches. Returns stats under
-    DESIGN.md's tags, averaged over micro-batches and ranks.
+    the metric tags of docs/architecture.md, averaged over micro-batches and ranks.
     """
     t0 = time.perf_counter()
     rank, world = rank_world()

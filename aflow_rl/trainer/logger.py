@@ -1,6 +1,6 @@
 """TensorBoard event files under ``run_dir/events``, written by rank 0 only.
 
-Tags follow DESIGN.md's namespaces (``rewards/``, ``losses/``, ``charts/``,
+Tags follow the namespaces of docs/architecture.md (Metric tags) (``rewards/``, ``losses/``, ``charts/``,
 ``episode/``, ``timing/``, ``perf/``, ``pool/``), all against one x-axis: the
 optimizer step. On other ranks every method is a no-op, so the training loop
 calls them unconditionally.

@@ -46,7 +46,7 @@ w = 0 removes the scores from selection altogether (a uniform prior: the
 choice is driven by Q̃ and visit counts alone); w = 1 uses AFlow's prior for
 exploration. ``selection: aflow`` switches the tree off for ablations and
 draws the parent from AFlow's formula over the top-k rounds exactly
-(``TreeSelector.distribution``, DESIGN.md).
+(``TreeSelector.distribution``, docs/architecture.md).
 
 Several selections made before any of them is expanded (the trainer draws a
 batch of parents at once) would all descend the same way; ``select_many``

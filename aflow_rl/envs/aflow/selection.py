@@ -3,7 +3,7 @@
 AFlow (Zhang et al., 2024, Sec. 3.3; MetaGPT ``DataUtils.select_round``)
 picks the workflow to modify next from the best rounds so far, mixing a
 uniform distribution (exploration) with a softmax over scores
-(exploitation). DESIGN.md fixes the formula:
+(exploitation). docs/architecture.md (Algorithms) fixes the formula:
 
     P(i) = λ/n + (1 − λ)·softmax(α·(s_i − s_max)),   scores ×100, α = 0.2, λ = 0.3
 

@@ -1,4 +1,4 @@
-"""AFlow's parent selection: P(i) = λ/n + (1−λ)·softmax(α·(s_i − s_max)), scores ×100 (DESIGN.md)."""
+"""AFlow's parent selection: P(i) = λ/n + (1−λ)·softmax(α·(s_i − s_max)), scores ×100 (docs/architecture.md)."""
 import math
 
 import numpy as np
