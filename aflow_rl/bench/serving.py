@@ -26,6 +26,7 @@ from typing import Optional
 import httpx
 
 from aflow_rl.bench import machine
+from aflow_rl.procs import PARENT_PID_ENV, preexec_die_with_parent
 
 
 def _free_port() -> int:
@@ -42,7 +43,9 @@ def start_server(model_path: str, threads: Optional[int], log_path: str, timeout
     if threads:
         cmd += ["--threads", str(threads)]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # Dies with this benchmark however it ends (kill -9 included), like the servers ServerManager starts.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent(),
+                            env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
