@@ -61,6 +61,16 @@ def start_server(model_path: str, threads: Optional[int], log_path: str, timeout
     raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; see {log_path}")
 
 
+def stop_server(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; always reaped."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100])."""
     ordered = sorted(values)
@@ -127,11 +137,7 @@ def run(preset: str = "tiny", levels: tuple[int, ...] = (1, 8, 32), max_new_toke
                 results.append(res)
             server = httpx.get(url + "/get_server_info").json()
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     by_c = {r["concurrency"]: r["tokens_per_s"] for r in results}
     ratio = by_c[max(levels)] / by_c[min(levels)]
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "preset": preset,

