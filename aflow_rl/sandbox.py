@@ -219,10 +219,16 @@ def _run(code: str, *, timeout_s: float, memory_mb: int, stdin: str | bytes | No
         shutil.rmtree(base, onerror=_force_remove)
 
 
+@functools.lru_cache(maxsize=1)
+def _prelude_file_source() -> str:
+    """Read once per process: every sandbox run writes it into its own directory."""
+    with open(_PRELUDE_SRC, encoding="utf-8") as f:
+        return f.read()
+
+
 def _prelude_source(mode: str, judge_fd: int | None) -> str:
     """sandbox_prelude.py's source and the call of its entry point for this run."""
-    with open(_PRELUDE_SRC, encoding="utf-8") as f:
-        source = f.read()
+    source = _prelude_file_source()
     site_dirs, _ = _python_dirs()
     args = f"{site_dirs!r}, {mode != 'jail'!r}, {list(hidden_paths())!r}, __file__"
     call = f"_sbx_judge({args}, {judge_fd})" if judge_fd is not None else f"_sbx_program({args})"
