@@ -14,7 +14,6 @@ One iteration (docs/architecture.md):
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from aflow_rl.config import Config, ConfigError, format_help, load_config, save_resolved
+from aflow_rl.envs import load_env
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -68,7 +68,7 @@ class RunFailed(RuntimeError):
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     preflight(cfg)
-    make_tasks = _task_source(cfg.rollout.worker)
+    make_tasks = load_env(cfg.env.name).make_tasks
     if _already_done(cfg):
         return
 
@@ -378,21 +378,6 @@ def _already_done(cfg: Config) -> bool:
     print(f"{cfg.run_dir} is complete ({path}, trainer.max_steps={cfg.trainer.max_steps}); to train further "
           "raise trainer.max_steps, or start over with resume=never or another run.dir")
     return True
-
-
-def _task_source(worker: str):
-    """The worker module's ``make_tasks(cfg, n, seed)``: the environment that runs the
-    episodes also says what its tasks are."""
-    module_name = worker.split(":")[0]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"rollout.worker: cannot import {module_name} ({exc}); worker modules must be "
-                          f"installed or on sys.path (pip install -e .)") from None
-    if not callable(getattr(module, "make_tasks", None)):
-        raise ConfigError(f"rollout.worker: {module_name} has no make_tasks(cfg, n, seed) function to "
-                          "draw training tasks from")
-    return module.make_tasks
 
 
 def _sync(engine, tokenizer, client, run_dir, version, cfg) -> float:

@@ -107,7 +107,6 @@ class LLMConfig:
 
 @dataclass
 class RolloutConfig:
-    worker: str = _f("workers.swarm_worker:run_episode", "Episode function as module:function (module must be importable).")
     backend: Literal["loky", "threading", "sequential", "dask"] = _f(
         "loky", "joblib backend: loky (processes) | threading | sequential (debug) | dask (many machines).")
     workers: int = _f(2, "Worker processes (or threads).")
@@ -196,12 +195,11 @@ class AflowConfig:
 
 @dataclass
 class EnvConfig:
-    name: Literal["swarm", "aflow"] = _f("swarm", "Environment family.")
-    mode: Literal["swarm", "plan_act"] = _f("swarm", "swarm: spawn/assign/join orchestration | plan_act: planner + actor.")
+    name: str = _f("swarm", "The environment: swarm | plan_act | aflow (workers/<name>.py), or the dotted module path of your own worker module (make_tasks, init_worker, run_episode; docs/architecture.md).")
     temperature: float = _f(1.0, "Orchestrator sampling temperature (the trainer recomputes logprobs with it).")
     max_new_tokens: int = _f(96, "Most tokens per orchestrator turn.")
     swarm: SwarmEnvConfig = _f(SwarmEnvConfig, "Swarm environment.")
-    plan_act: PlanActConfig = _f(PlanActConfig, "Plan/Act mode.")
+    plan_act: PlanActConfig = _f(PlanActConfig, "Plan/Act environment (planner + actor).")
     aflow: AflowConfig = _f(AflowConfig, "AFlow workflow search.")
 
 
@@ -342,6 +340,22 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise bad  # pragma: no cover - every annotation above is handled
 
 
+def _worker_replacement(value: Any) -> str:
+    """The ``env.name`` that replaces an old ``rollout.worker: module:function`` value."""
+    module = str(value).partition(":")[0]
+    shipped = {"workers.swarm_worker": "swarm", "workers.aflow_worker": "aflow"}
+    return shipped.get(module, module or "swarm")
+
+
+# Keys that existed once: loading one is an error naming what replaced it (never silently ignored).
+_REMOVED = {
+    "rollout.worker": lambda v: f"rollout.worker was removed: set env.name: {_worker_replacement(v)} "
+                                "(env.name picks the environment and its worker module)",
+    "env.mode": lambda v: f"env.mode was removed: set env.name: {v if v in ('swarm', 'plan_act') else 'swarm'} "
+                          "(Plan/Act is its own environment now)",
+}
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     """Instantiate dataclass ``cls`` from a nested dict, strictly."""
     if not isinstance(data, dict):
@@ -351,6 +365,8 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         full = prefix + str(key)
+        if full in _REMOVED:
+            raise ConfigError(_REMOVED[full](value))
         if key not in names:
             valid = [prefix + n for n in names]
             close = difflib.get_close_matches(full, valid, n=1, cutoff=0.5) or difflib.get_close_matches(
@@ -516,8 +532,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"serving.{role}.num_servers: must be at least 1")
     if cfg.rollout.backend == "dask" and not cfg.rollout.dask_address:
         raise ConfigError("rollout.dask_address: the dask backend needs a scheduler address (tcp://host:8786)")
-    if ":" not in cfg.rollout.worker:
-        raise ConfigError(f"rollout.worker: expected module:function, got {cfg.rollout.worker!r}")
+    _validate_env_name(cfg.env.name)
 
 
 # Integer keys below which a run trains nothing or crashes mid-way: (minimum, what to do instead).
@@ -607,6 +622,16 @@ def _validate_paths(cfg: Config) -> None:
     if not os.path.exists(cfg.resume):
         raise ConfigError(f"resume: no checkpoint or run folder at {cfg.resume!r}; use auto, never, "
                           "or an existing run_dir/checkpoints/step_<N> path")
+
+
+_MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _validate_env_name(name: str) -> None:
+    """env.name: a shipped name or a module path; whether it imports is checked by aflow_rl.envs.load_env."""
+    if not _MODULE_PATH.fullmatch(name):
+        raise ConfigError(f"env.name: expected swarm | plan_act | aflow or a dotted module path such as "
+                          f"my_pkg.my_env, got {name!r}")
 
 
 def _validate_task_mix(sw: SwarmEnvConfig) -> None:

@@ -103,8 +103,12 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
     (["configs/test.yaml", "trainer.lrr=1"], "unknown config key 'trainer.lrr': did you mean 'trainer.lr'?"),
     (["configs/nope.yaml"], "config file not found: configs/nope.yaml"),
     (["configs/test.yaml", "rollout.workers=two"], "rollout.workers: expected int, got 'two'"),
-    (["configs/test.yaml", "rollout.worker=no_such_module:run"], "rollout.worker: cannot import no_such_module"),
-    (["configs/test.yaml", "rollout.worker=json:loads"], "rollout.worker: json has no make_tasks"),
+    (["configs/test.yaml", "env.name=no_such_env"], "env.name: unknown environment 'no_such_env'; choose swarm"),
+    (["configs/test.yaml", "env.name=no_such_pkg.env"], "env.name='no_such_pkg.env': cannot import worker module 'no_such_pkg.env'"),
+    (["configs/test.yaml", "env.name=json"], "env.name='json': worker module json ("),
+    (["configs/test.yaml", "rollout.worker=workers.aflow_worker:run_episode"],
+     "rollout.worker was removed: set env.name: aflow"),
+    (["configs/test.yaml", "env.mode=plan_act"], "env.mode was removed: set env.name: plan_act"),
 ])
 def test_bad_config_is_one_line_error(args, message):
     proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)

@@ -20,7 +20,7 @@ from aflow_rl.rollout.types import Trajectory, Turn
 from aflow_rl.trainer.checkpoint import list_checkpoints, manifest
 from aflow_rl.trainer.console import CUDA_WARNING, interrupted_line, quiet_libraries, resume_command
 
-FAKE = "tests.rollout.fake_workers:run_episode"
+FAKE = "tests.rollout.fake_workers"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_YAML = os.path.join(ROOT, "configs", "test.yaml")
 
@@ -30,9 +30,9 @@ def cfg_with(tmp_path, *overrides):
 
 
 def pool_of(**kw):
-    base = dict(worker=FAKE, backend="threading", workers=2, concurrency_per_worker=4, episode_timeout_s=5.0,
+    base = dict(backend="threading", workers=2, concurrency_per_worker=4, episode_timeout_s=5.0,
                 timeout_grace_s=1.0, max_attempts=2, start_timeout_s=30.0)
-    return RolloutPool(RolloutConfig(**{**base, **kw})).start()
+    return RolloutPool(RolloutConfig(**{**base, **kw}), env=FAKE).start()
 
 
 # ---------------------------------------------------------------------------

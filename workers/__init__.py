@@ -1,1 +1,1 @@
-"""Importable worker modules: each exposes init_worker(ctx) and run_episode(task, ctx)."""
+"""Importable worker modules, one per environment (``env.name``): each names make_tasks, init_worker, run_episode."""

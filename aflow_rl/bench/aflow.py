@@ -10,7 +10,7 @@ built into a temporary directory unless ``--model-path`` holds one) serves as
 the executor. The same ``--problems`` problems (``rg:basic_arithmetic``,
 seeded) are evaluated with a three-operator workflow through a loky
 ``RolloutPool`` at each ``--workers`` count: every episode is one
-``workers.aflow_worker.evaluate_task`` call on a chunk of ``--chunk`` problems,
+``workers.aflow.evaluate_task`` call on a chunk of ``--chunk`` problems,
 the path an AFlow search takes. The total number of problems in flight is
 held at ``--inflight`` for every worker count (episodes per worker =
 inflight / (chunk x workers)), so the 2-vs-1 ratio shows what a second
@@ -90,14 +90,14 @@ SANDBOX_COLUMNS = [
 
 def init_worker(ctx: WorkerContext) -> None:
     """Per-process setup: the AFlow worker's executor client."""
-    from workers.aflow_worker import init_worker as aflow_init
+    from workers.aflow import init_worker as aflow_init
 
     aflow_init(ctx)
 
 
-async def evaluate_episode(task: dict, ctx: WorkerContext) -> Trajectory:
+async def run_episode(task: dict, ctx: WorkerContext) -> Trajectory:
     """Evaluate ``task["workflow"]`` on ``task["problems"]`` with the AFlow worker; sums as metrics."""
-    from workers.aflow_worker import evaluate_task
+    from workers.aflow import evaluate_task
 
     reply = await evaluate_task({"workflow": task["workflow"], "problems": task["problems"]}, ctx)
     if not reply["valid"]:
@@ -136,7 +136,7 @@ def _pool_config(workers: int, inflight: int, chunk: int) -> Any:
     from aflow_rl.config import RolloutConfig
 
     per_worker = max(1, math.ceil(inflight / (chunk * workers)))
-    return RolloutConfig(worker="aflow_rl.bench.aflow:evaluate_episode", backend="loky", workers=workers,
+    return RolloutConfig(backend="loky", workers=workers,
                          concurrency_per_worker=per_worker, episode_timeout_s=600.0, max_attempts=1,
                          start_timeout_s=120.0, trace=False)
 
@@ -193,7 +193,7 @@ def bench_eval(cfg: Any, urls: dict, run_dir: str, problems: list[dict], workflo
     runs: dict[int, list[dict]] = {w: [] for w in workers}
     server_pids = list(server_pids)
     with ExitStack() as stack:
-        pools = {w: stack.enter_context(RolloutPool(_pool_config(w, inflight, chunk), ctx)) for w in workers}
+        pools = {w: stack.enter_context(RolloutPool(_pool_config(w, inflight, chunk), ctx, env="aflow_rl.bench.aflow")) for w in workers}
         for w, pool in pools.items():
             _timed_run(pool, [{"workflow": workflow, "problems": [problems[i % len(problems)]]} for i in range(w)],
                        server_pids)

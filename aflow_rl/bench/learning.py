@@ -148,7 +148,7 @@ def learning_curve(run_dir: str, config: str, sets: list[str]) -> list[dict[str,
 def training_tasks(config: str, sets: list[str], steps: int) -> set[str]:
     """Fingerprints of every task the runs trained on, replayed from the trainer's own task sampler."""
     from aflow_rl.rollout.sampler import TaskSampler
-    from workers.swarm_worker import make_tasks
+    from workers.swarm import make_tasks
 
     cfg = load_config(config, sets + [f"trainer.max_steps={steps}"])
     sampler = TaskSampler(make_tasks, cfg, cfg.run.seed, num_tasks=cfg.rollout.num_tasks)
@@ -333,7 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         runs = train_all(args.config, args.estimators, args.out, args.steps, args.set, parallel=args.smoke)
     curves = {r["estimator"]: learning_curve(r["run_dir"], args.config, args.set) for r in runs}
-    from workers.swarm_worker import make_tasks
+    from workers.swarm import make_tasks
 
     seen = training_tasks(args.config, args.set, args.steps)
     eval_sets = args.set + EVAL_RESET

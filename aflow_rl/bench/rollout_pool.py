@@ -198,12 +198,12 @@ def bench_pool(url: str, concurrency: int, n: int, requests: int, workers: int, 
     from aflow_rl.config import RolloutConfig
     from aflow_rl.rollout.pool import RolloutPool
 
-    cfg = RolloutConfig(worker="aflow_rl.bench.rollout_pool:run_episode", backend="loky", workers=workers,
+    cfg = RolloutConfig(backend="loky", workers=workers,
                         concurrency_per_worker=max(1, concurrency // workers), episode_timeout_s=120.0,
                         max_attempts=1, trace=False)
     ctx = WorkerContext(config=None, urls={"endpoint": [url]})
     t0 = time.perf_counter()
-    with RolloutPool(cfg, ctx) as pool:
+    with RolloutPool(cfg, ctx, env="aflow_rl.bench.rollout_pool") as pool:
         startup = time.perf_counter() - t0
         task = {"requests": requests, "client": client}
         warm = list(pool.run([dict(task) for _ in range(concurrency)]))  # opens the connections

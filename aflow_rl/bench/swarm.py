@@ -83,7 +83,7 @@ def _mean_row(trajs: list, policy: str, suite: str, seconds: float, coef: float 
 
 
 async def _run_row(tasks: list[dict], ctx: WorkerContext, concurrency: int) -> list:
-    from workers.swarm_worker import run_episode
+    from workers.swarm import run_episode
 
     if concurrency <= 1:
         return [await run_episode(t, ctx) for t in tasks]
@@ -105,7 +105,7 @@ def run_bench(policies: list[str], suites: list[str], n: int, seed: int, overrid
     ``objective_coef``: c of the reported objective (default: the config's ``env.swarm.latency_coef``);
     ``task_filter``: keep only the tasks it accepts (the seed's first n that pass; held-out evaluation).
     """
-    from workers.swarm_worker import init_worker
+    from workers.swarm import init_worker
 
     rows = []
     with ExitStack() as stack:

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from aflow_rl.rollout.runner import EpisodeError, WorkerStartError, split_spec
+from aflow_rl.rollout.runner import EpisodeError, WorkerStartError
 from aflow_rl.rollout.slots import (DEAD, READY, STARTING, DaskSlot, InlineSlot, LokySlot, Slot, Switchboard,
                                     ThreadSlot, callback_host)
 from aflow_rl.rollout.types import Trajectory, WorkerContext
@@ -108,12 +108,18 @@ def whole_groups(results: Iterable[Trajectory], group_size: int) -> Iterator[lis
 
 
 class RolloutPool:
-    """A pool of worker processes (or threads) running ``cfg.worker`` episodes. See the module docstring."""
+    """A pool of worker processes (or threads) running an environment's episodes. See the module docstring.
 
-    def __init__(self, cfg: Any, ctx: WorkerContext | None = None):
+    ``env`` is an ``env.name`` (a shipped name or a worker module path); by default
+    ``ctx.config.env.name``, so the trainer's pool runs the configured environment.
+    """
+
+    def __init__(self, cfg: Any, ctx: WorkerContext | None = None, env: str | None = None):
         self.cfg = cfg  # a RolloutConfig
         self.ctx = ctx if ctx is not None else WorkerContext(config=None)
-        split_spec(cfg.worker)  # a malformed spec fails here, before any process starts
+        if env is None and self.ctx.config is None:
+            raise ValueError("RolloutPool: pass env= (an env.name or worker module path) or a ctx with a config")
+        self.env = env if env is not None else self.ctx.config.env.name
         for name in ("workers", "concurrency_per_worker", "max_attempts"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"rollout.{name} must be at least 1, got {getattr(cfg, name)}")
@@ -392,7 +398,7 @@ class RolloutPool:
         self.stats["pool/worker_deaths"] += 1
         if starting:
             raise PoolError(f"{slot.kind} worker {slot.index} died while starting ({reason}); "
-                            f"rollout.worker={self.cfg.worker!r}")
+                            f"env.name={self.env!r}")
         what = f"worker process {slot.pid} died ({reason})"
         if len(running) == 1:  # the only episode running on it: the culprit
             self._charge(running[0], "failed", f"{what} while running this episode")
@@ -472,7 +478,7 @@ class RolloutPool:
 
     def _make_slots(self) -> list[Slot]:
         cfg, backend = self.cfg, self.cfg.backend
-        common = dict(events=self._events, spec=cfg.worker, ctx=self.ctx,
+        common = dict(events=self._events, spec=self.env, ctx=self.ctx,
                       concurrency=cfg.concurrency_per_worker, timeout_s=cfg.episode_timeout_s)
         if backend == "sequential":
             return [InlineSlot(0, **common)]

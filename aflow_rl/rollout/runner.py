@@ -1,4 +1,4 @@
-"""Worker side of the rollout pool: load the worker module, run episodes, serve a link.
+"""Worker side of the rollout pool: load the worker module (``aflow_rl.envs.load_env``), run episodes, serve a link.
 
 This code runs wherever episodes run: in a loky worker process, in a dask
 worker, in a thread (threading backend) or in the caller (sequential). The
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-import importlib
 import inspect
 import os
 import signal
@@ -26,9 +25,10 @@ import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Client
-from types import ModuleType
 from typing import Any, Callable, Protocol
 
+from aflow_rl.config import ConfigError
+from aflow_rl.envs.loader import EnvModule, load_env
 from aflow_rl.rollout.traces import TraceWriter, episode_scope
 from aflow_rl.rollout.types import Trajectory, WorkerContext
 
@@ -60,36 +60,21 @@ class Link(Protocol):
     def send(self, msg: Any) -> None: ...
 
 
-def split_spec(spec: str) -> tuple[str, str]:
-    """``"pkg.module:function"`` -> ``("pkg.module", "function")``."""
-    module, sep, func = spec.partition(":")
-    if not sep or not module or not func:
-        raise WorkerStartError(f"rollout.worker: expected module:function, got {spec!r}")
-    return module, func
+def load_worker(spec: str) -> EnvModule:
+    """The worker module of ``spec`` (an ``env.name``: a shipped name or a module path) in this process.
 
-
-def load_worker(spec: str) -> tuple[ModuleType, Callable]:
-    """Import the worker module named by ``spec`` and return it with its episode function."""
-    module_name, func_name = split_spec(spec)
+    The pool needs only ``run_episode`` (``init_worker`` is called when present);
+    ``train.py`` has already checked the whole contract with the same loader. A
+    failure adds where it happened: this process may be a spawned or remote one.
+    """
     try:
-        module = importlib.import_module(module_name)
-    except BaseException as exc:  # ImportError, SyntaxError, or whatever the module raises at import
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        what = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        return load_env(spec, need=("run_episode",))
+    except ConfigError as exc:
         raise WorkerStartError(
-            f"cannot import worker module '{module_name}' (rollout.worker={spec!r}) "
-            f"in process {os.getpid()} on {socket.gethostname()}: {what}\n"
-            f"  cwd: {os.getcwd()}\n"
+            f"{exc}\n  in process {os.getpid()} on {socket.gethostname()}, cwd: {os.getcwd()}\n"
             f"  sys.path: {sys.path}\n"
             "  worker modules must be importable where the pool runs them "
             "(pip install -e . installs aflow_rl and workers/)") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise WorkerStartError(
-            f"worker module '{module_name}' ({getattr(module, '__file__', '?')}) "
-            f"has no function '{func_name}' (rollout.worker={spec!r})")
-    return module, fn
 
 
 def extend_sys_path(paths: list[str]) -> None:
@@ -109,13 +94,14 @@ class EpisodeRunner:
     """One process's worker: module imported, ``init_worker(ctx)`` called once, episodes run."""
 
     def __init__(self, spec: str, ctx: WorkerContext):
-        module, self.fn = load_worker(spec)
+        env = load_worker(spec)
+        module, self.fn = env.module, env.run_episode
         self.spec = spec
         self.ctx = ctx
         self.is_async = inspect.iscoroutinefunction(self.fn)
         # Every episode of this process appends to one trace file (a no-op writer when tracing is off).
         ctx.state.setdefault("trace", TraceWriter.from_context(ctx))
-        init = getattr(module, "init_worker", None)
+        init = env.init_worker
         if init is not None:
             try:
                 out = init(ctx)

@@ -19,6 +19,11 @@ import time
 from aflow_rl.rollout.types import Trajectory, Turn
 
 
+def make_tasks(cfg, n, seed):
+    """The worker module contract's task source: ``n`` ok-mode tasks with distinct seeds."""
+    return [{"seed": seed * 1000 + i, "mode": "ok"} for i in range(n)]
+
+
 def init_worker(ctx):
     ctx.state["init_pid"] = os.getpid()
     ctx.state["inits"] = ctx.state.get("inits", 0) + 1

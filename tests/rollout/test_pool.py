@@ -18,19 +18,19 @@ from aflow_rl.rollout.pool import RolloutPool, make_episodes, whole_groups
 from aflow_rl.rollout.runner import WorkerStartError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ASYNC = "tests.rollout.fake_workers:run_episode"
-SYNC = "tests.rollout.fake_workers:run_episode_sync"
+ASYNC = "tests.rollout.fake_workers"        # worker modules, named as env.name names them
+SYNC = "tests.rollout.fake_workers_sync"
 
 
-def config(**kw) -> RolloutConfig:
-    base = dict(worker=ASYNC, backend="loky", workers=2, concurrency_per_worker=4,
+def new_pool(env: str = ASYNC, **kw) -> RolloutPool:
+    base = dict(backend="loky", workers=2, concurrency_per_worker=4,
                 episode_timeout_s=1.0, timeout_grace_s=1.0, max_attempts=2, start_timeout_s=60.0)
     base.update(kw)
-    return RolloutConfig(**base)
+    return RolloutPool(RolloutConfig(**base), env=env)
 
 
-def run_all(cfg, tasks):
-    with RolloutPool(cfg) as pool:
+def run_all(tasks, env: str = ASYNC, **kw):
+    with new_pool(env, **kw) as pool:
         out = list(pool.run(tasks))
         return out, dict(pool.stats)
 
@@ -51,7 +51,7 @@ def tasks_of(*modes, **extra):
 
 def test_raise_timeout_and_bad_return_are_retried_then_failed():
     tasks = tasks_of("ok", "ok", "raise_first", "raise_first", "raise_always", "hang", "bad_return", "ok")
-    out, stats = run_all(config(), tasks)
+    out, stats = run_all(tasks)
     got = by_id(out)
     assert set(got) == {t["episode_id"] for t in tasks}
     for eid, t in got.items():
@@ -72,7 +72,7 @@ def test_raise_timeout_and_bad_return_are_retried_then_failed():
 def test_sigkill_charges_the_culprit_not_its_neighbours():
     # One process, four episodes on it: the crash cannot be pinned on one, so each re-runs alone.
     tasks = tasks_of("sleep", "sleep", "kill_first", "sleep", sleep=0.5)
-    out, stats = run_all(config(workers=1), tasks)
+    out, stats = run_all(tasks, workers=1)
     got = by_id(out)
     assert set(got) == {t["episode_id"] for t in tasks}
     assert all(t.ok for t in out), [(t.episode_id, t.error) for t in out]
@@ -86,7 +86,7 @@ def test_sigkill_charges_the_culprit_not_its_neighbours():
 
 def test_sigkill_on_last_attempt_returns_failed_and_pool_carries_on():
     tasks = tasks_of("kill_first", "ok", "ok")
-    with RolloutPool(config(workers=1, concurrency_per_worker=1, max_attempts=1)) as pool:
+    with new_pool(workers=1, concurrency_per_worker=1, max_attempts=1) as pool:
         got = by_id(pool.run(tasks))
         assert got["kill_first-0"].status == "failed" and got["kill_first-0"].attempt == 1
         assert "died" in got["kill_first-0"].error and "SIGKILL" in got["kill_first-0"].error
@@ -98,7 +98,7 @@ def test_sigkill_on_last_attempt_returns_failed_and_pool_carries_on():
 
 def test_sync_episode_that_hangs_times_out_and_its_process_is_replaced():
     tasks = tasks_of("hang", "raise_first", "ok", "sleep", sleep=0.2)
-    out, stats = run_all(config(worker=SYNC, workers=1), tasks)
+    out, stats = run_all(tasks, env=SYNC, workers=1)
     got = by_id(out)
     assert (got["hang-0"].status, got["hang-0"].attempt) == ("timeout", 2)
     assert (got["raise_first-1"].status, got["raise_first-1"].attempt) == ("ok", 2)
@@ -111,7 +111,7 @@ def test_blocked_event_loop_is_killed_at_the_hard_deadline():
     # time.sleep inside an async episode: the worker cannot even report its timeout.
     tasks = tasks_of("block", "ok", "ok", "ok")
     t0 = time.monotonic()
-    out, stats = run_all(config(workers=2, concurrency_per_worker=1), tasks)
+    out, stats = run_all(tasks, workers=2, concurrency_per_worker=1)
     got = by_id(out)
     assert (got["block-0"].status, got["block-0"].attempt) == ("timeout", 2)
     assert "blocked event loop" in got["block-0"].error
@@ -127,7 +127,7 @@ def test_blocked_event_loop_is_killed_at_the_hard_deadline():
 def test_import_error_stops_the_pool_at_start_naming_the_module(backend):
     t0 = time.monotonic()
     with pytest.raises(WorkerStartError) as err:
-        RolloutPool(config(worker="tests.rollout.broken_worker:run_episode", backend=backend)).start()
+        new_pool(env="tests.rollout.broken_worker", backend=backend).start()
     msg = str(err.value)
     assert "tests.rollout.broken_worker" in msg and "aflow_rl_no_such_dependency" in msg
     assert "sys.path" in msg
@@ -135,8 +135,9 @@ def test_import_error_stops_the_pool_at_start_naming_the_module(backend):
 
 
 def test_missing_function_is_a_start_error():
-    with pytest.raises(WorkerStartError, match="has no function 'nope'"):
-        RolloutPool(config(worker="tests.rollout.fake_workers:nope", backend="threading")).start()
+    # tests.rollout (the package) imports fine but defines no episode function.
+    with pytest.raises(WorkerStartError, match=r"has no run_episode\(task, ctx\)"):
+        new_pool(env="tests.rollout", backend="threading").start()
 
 
 def test_pool_runs_from_root_directory():
@@ -146,14 +147,14 @@ def test_pool_runs_from_root_directory():
         from aflow_rl.config import RolloutConfig
         from aflow_rl.rollout.pool import RolloutPool
         from aflow_rl.rollout.runner import WorkerStartError
-        cfg = RolloutConfig(worker={ASYNC!r}, workers=2, start_timeout_s=60.0)
+        cfg = RolloutConfig(workers=2, start_timeout_s=60.0)
         try:
-            RolloutPool(cfg).start()
+            RolloutPool(cfg, env={ASYNC!r}).start()
             before = "started"
         except WorkerStartError as exc:
             before = str(exc)
         sys.path.insert(0, {ROOT!r})
-        with RolloutPool(cfg) as pool:
+        with RolloutPool(cfg, env={ASYNC!r}) as pool:
             out = [(t.episode_id, t.status) for t in pool.run([{{"seed": i}} for i in range(4)])]
         print(json.dumps({{"before": before, "out": sorted(out)}}))
     """)
@@ -186,8 +187,8 @@ def reference_tasks():
 
 @pytest.mark.parametrize("backend", ["sequential", "threading", "loky"])
 def test_backends_give_the_same_results(backend, reference_tasks):
-    out, _ = run_all(config(backend=backend), reference_tasks)
-    ref, _ = run_all(config(backend="sequential"), reference_tasks)
+    out, _ = run_all(reference_tasks, backend=backend)
+    ref, _ = run_all(reference_tasks, backend="sequential")
     assert _signature(out) == _signature(ref)
     assert len(out) == 10 and sum(t.attempt == 2 for t in out) == 1
     assert all(t.info["pid"] == t.info["init_pid"] for t in out)  # init_worker ran in that process
@@ -196,10 +197,10 @@ def test_backends_give_the_same_results(backend, reference_tasks):
 @pytest.mark.parametrize("processes", [False, True])
 def test_dask_backend_gives_the_same_results(processes, reference_tasks):
     distributed = pytest.importorskip("distributed")
-    ref, _ = run_all(config(backend="sequential"), reference_tasks)
+    ref, _ = run_all(reference_tasks, backend="sequential")
     with distributed.LocalCluster(processes=processes, n_workers=1, threads_per_worker=2,
                                   dashboard_address=":0") as cluster:
-        out, _ = run_all(config(backend="dask", dask_address=cluster.scheduler_address), reference_tasks)
+        out, _ = run_all(reference_tasks, backend="dask", dask_address=cluster.scheduler_address)
     assert _signature(out) == _signature(ref)
 
 
@@ -208,7 +209,7 @@ def test_dask_backend_gives_the_same_results(processes, reference_tasks):
 
 def test_results_stream_as_they_complete():
     tasks = [{"mode": "sleep", "sleep": s, "episode_id": f"s{i}"} for i, s in enumerate((2.0, 0.1, 0.1))]
-    with RolloutPool(config(workers=1, episode_timeout_s=10.0)) as pool:
+    with new_pool(workers=1, episode_timeout_s=10.0) as pool:
         t0 = time.monotonic()
         arrivals = [(t.episode_id, time.monotonic() - t0) for t in pool.run(tasks)]
     assert arrivals[-1][0] == "s0"
@@ -218,7 +219,7 @@ def test_results_stream_as_they_complete():
 def test_one_worker_runs_its_episodes_concurrently():
     n = 8
     tasks = [{"mode": "sleep", "sleep": 0.5} for _ in range(n)]
-    with RolloutPool(config(workers=1, concurrency_per_worker=n, episode_timeout_s=10.0)) as pool:
+    with new_pool(workers=1, concurrency_per_worker=n, episode_timeout_s=10.0) as pool:
         t0 = time.monotonic()
         out = list(pool.run(tasks))
         elapsed = time.monotonic() - t0
@@ -228,7 +229,7 @@ def test_one_worker_runs_its_episodes_concurrently():
 
 def test_a_small_batch_is_spread_over_all_workers():
     tasks = [{"mode": "sleep", "sleep": 0.2} for _ in range(8)]
-    out, _ = run_all(config(workers=2, concurrency_per_worker=8, episode_timeout_s=10.0), tasks)
+    out, _ = run_all(tasks, workers=2, concurrency_per_worker=8, episode_timeout_s=10.0)
     pids = [t.info["pid"] for t in out]
     assert sorted(pids.count(p) for p in set(pids)) == [4, 4]
 
@@ -236,7 +237,7 @@ def test_a_small_batch_is_spread_over_all_workers():
 def test_idle_worker_takes_back_an_episode_queued_behind_a_slow_one():
     # One place per worker plus one waiting: e2 waits behind the slow e0 until worker 1 asks for it.
     tasks = [{"mode": "sleep", "sleep": s, "episode_id": f"e{i}"} for i, s in enumerate((2.5, 0.1, 0.1, 0.1))]
-    with RolloutPool(config(workers=2, concurrency_per_worker=1, episode_timeout_s=10.0)) as pool:
+    with new_pool(workers=2, concurrency_per_worker=1, episode_timeout_s=10.0) as pool:
         t0 = time.monotonic()
         arrivals = {t.episode_id: (time.monotonic() - t0, t.info["pid"]) for t in pool.run(tasks)}
     assert arrivals["e2"][0] < 1.5 < arrivals["e0"][0], arrivals
@@ -244,7 +245,7 @@ def test_idle_worker_takes_back_an_episode_queued_behind_a_slow_one():
 
 
 def test_stopping_a_run_early_leaves_the_pool_clean():
-    with RolloutPool(config(backend="threading", workers=1, episode_timeout_s=10.0)) as pool:
+    with new_pool(backend="threading", workers=1, episode_timeout_s=10.0) as pool:
         first = pool.run([{"mode": "sleep", "sleep": s, "episode_id": f"a{i}"}
                           for i, s in enumerate((0.05, 0.5, 0.5, 0.5))])
         assert next(first).episode_id == "a0"
@@ -256,7 +257,7 @@ def test_stopping_a_run_early_leaves_the_pool_clean():
 def test_make_episodes_and_whole_groups():
     eps = make_episodes([{"task_id": "t1"}, {"x": 1}], group_size=3, prefix="s0-")
     assert [e["episode_id"] for e in eps] == ["t1/0", "t1/1", "t1/2", "s0-g1/0", "s0-g1/1", "s0-g1/2"]
-    with RolloutPool(config(backend="threading")) as pool:
+    with new_pool(backend="threading") as pool:
         groups = list(whole_groups(pool.run([dict(e, seed=i) for i, e in enumerate(eps)]), 3))
     assert sorted(sorted(t.episode_id for t in g) for g in groups) == [
         ["s0-g1/0", "s0-g1/1", "s0-g1/2"], ["t1/0", "t1/1", "t1/2"]]
@@ -264,7 +265,7 @@ def test_make_episodes_and_whole_groups():
 
 
 def test_duplicate_episode_ids_are_refused():
-    with RolloutPool(config(backend="sequential")) as pool:
+    with new_pool(backend="sequential") as pool:
         with pytest.raises(ValueError, match="duplicate episode_id"):
             list(pool.run([{"episode_id": "x"}, {"episode_id": "x"}]))
 
@@ -288,9 +289,9 @@ def test_workers_die_with_a_killed_pool_owner(starter):
         import psutil
         from aflow_rl.config import RolloutConfig
         from aflow_rl.rollout.pool import RolloutPool
-        cfg = RolloutConfig(worker={ASYNC!r}, backend="loky", workers=2, concurrency_per_worker=1,
+        cfg = RolloutConfig(backend="loky", workers=2, concurrency_per_worker=1,
                             episode_timeout_s=600.0, start_timeout_s=60.0)
-        pool = RolloutPool(cfg)
+        pool = RolloutPool(cfg, env={ASYNC!r})
         if {starter!r} == "main":
             pool.start()
         else:

@@ -3,7 +3,7 @@ import pytest
 
 from aflow_rl.config import load_config
 from aflow_rl.rollout.sampler import TaskSampler
-from workers.swarm_worker import make_tasks
+from workers.swarm import make_tasks
 
 
 def test_resumed_sampler_draws_the_same_tasks():

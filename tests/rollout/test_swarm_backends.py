@@ -5,7 +5,7 @@ import pytest
 from aflow_rl.config import load_config
 from aflow_rl.rollout.pool import RolloutPool, make_episodes
 from aflow_rl.rollout.types import WorkerContext
-from workers.swarm_worker import make_tasks
+from workers.swarm import make_tasks
 
 
 def run(backend, tmp_path, **extra):

@@ -64,11 +64,10 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 
 def test_pool_workers_trace_with_attempts(tmp_path):
-    cfg = RolloutConfig(worker="tests.rollout.fake_workers:run_episode", backend="loky", workers=2,
-                        concurrency_per_worker=2, max_attempts=2, start_timeout_s=60.0)
+    cfg = RolloutConfig(backend="loky", workers=2, concurrency_per_worker=2, max_attempts=2, start_timeout_s=60.0)
     ctx = WorkerContext(config=types.SimpleNamespace(rollout=cfg), run_dir=str(tmp_path))
     tasks = [{"episode_id": f"e{i}", "group_id": "g0", "mode": "trace"} for i in range(4)]
-    with RolloutPool(cfg, ctx) as pool:
+    with RolloutPool(cfg, ctx, env="tests.rollout.fake_workers") as pool:
         assert all(t.ok for t in pool.run(tasks))
         pids = {f"worker-{s.pid}.jsonl" for s in pool.slots}
     assert set(os.listdir(tmp_path / "traces")) <= pids

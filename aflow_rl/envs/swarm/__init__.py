@@ -5,8 +5,8 @@ world and its tools), ``tasks`` (wide/deep/mixed generators, item scoring,
 ``make_tasks``), ``actions`` (the action JSON schema and parser),
 ``profiles`` and ``llm_subagents`` (the frozen subagent pool), ``runtime``
 (task graph, waves, budgets), ``observation``, ``policies`` and ``baselines``,
-``episode`` (the loop), ``metrics`` and ``rewards``. ``plan_act`` is the
-planner/actor mode. The worker entry points are in ``workers.swarm_worker``.
+``episode`` (the loop), ``metrics`` and ``rewards``. The worker entry points
+are in ``workers.swarm``; Plan/Act is its own environment (``aflow_rl.envs.plan_act``).
 """
 from aflow_rl.envs.swarm.metrics import critical_steps
 from aflow_rl.envs.swarm.tasks import make_tasks

@@ -69,7 +69,7 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
     if name == "model":
         if client is None or tokenizer is None:
             raise ValueError("env.swarm.policy=model needs the policy client and tokenizer "
-                             "(workers.swarm_worker.init_worker builds them from llm.policy and serving.policy)")
+                             "(workers.swarm.init_worker builds them from llm.policy and serving.policy)")
         return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
                            task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt in ("compact", "shape"),

@@ -232,17 +232,12 @@ def curriculum_stage(sw: Any, step: int | None) -> list[tuple[str, int, int]]:
 
 
 def make_tasks(cfg: Any, n: int, seed: int, *, position: int | None = None) -> list[dict]:
-    """``n`` tasks for the configured environment (the trainer's entry point).
+    """``n`` swarm tasks (the trainer's entry point); ``env.swarm`` picks suites and sizes.
 
-    ``cfg`` is the full Config; ``env.mode: plan_act`` delegates to Plan/Act's
-    reasoning-gym tasks, otherwise ``env.swarm`` picks suites and sizes.
+    ``cfg`` is the full Config.
     ``position`` (tasks drawn so far, passed by the trainer's TaskSampler) places
     the draw on the curriculum: optimizer step ``position // rollout.tasks_per_step``.
     """
-    if cfg.env.mode == "plan_act":
-        from aflow_rl.envs.swarm.plan_act import make_plan_act_tasks  # reasoning-gym only when asked for
-
-        return make_plan_act_tasks(cfg, n, seed)
     sw = cfg.env.swarm
     step = None if position is None else position // max(1, cfg.rollout.tasks_per_step)
     stage = curriculum_stage(sw, step)

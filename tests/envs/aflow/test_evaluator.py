@@ -373,7 +373,7 @@ def _ctx(overrides, urls=None, run_dir=""):
 
 @pytest.mark.skipif(not HAS_DATASETS, reason="needs aflow_rl.envs.aflow.datasets")
 def test_worker_evaluate_task_valid_and_invalid():
-    from workers import aflow_worker
+    from workers import aflow as aflow_worker
 
     llm = ScriptedExecutor(lambda p: "<answer>42</answer>")
     ctx = _ctx(["env.name=aflow", "env.aflow.max_nodes=2"])
@@ -400,7 +400,7 @@ def test_three_operators_end_to_end_on_the_embedded_server(tiny_model_dir, tmp_p
 
     from aflow_rl.envs.aflow.datasets import load_dataset
     from aflow_rl.serving.manager import ServerManager
-    from workers import aflow_worker
+    from workers import aflow as aflow_worker
 
     overrides = ["env.name=aflow", "serving.policy.backend=none", "serving.actor.backend=embedded",
                  f"serving.actor.model_path={tiny_model_dir}", f"run.dir={tmp_path}",

@@ -320,7 +320,7 @@ def test_describe_change():
 
 
 # ---------------------------------------------------------------------------
-# Training episodes (workers.aflow_worker) without servers: fake policy, stand-in evaluator
+# Training episodes (workers.aflow) without servers: fake policy, stand-in evaluator
 # ---------------------------------------------------------------------------
 
 
@@ -352,7 +352,7 @@ class FakePolicy:
 def test_training_episodes_without_servers(tmp_path, tiny_model_dir, monkeypatch):
     from transformers import AutoTokenizer
 
-    import workers.aflow_worker as worker
+    import workers.aflow as worker
     from aflow_rl.config import load_config
     from aflow_rl.envs.aflow import episode
     from aflow_rl.rollout.pool import make_episodes

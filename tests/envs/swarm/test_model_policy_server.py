@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_random_tiny_model_episodes(tiny_model_dir, tmp_path):
     from aflow_rl.serving.manager import ServerManager
-    from workers import swarm_worker
+    from workers import swarm as swarm_worker
 
     base = ["env.swarm.policy=model", "env.swarm.max_steps=3", "env.max_new_tokens=16",
             "serving.policy.backend=embedded", f"serving.policy.model_path={tiny_model_dir}",

@@ -5,7 +5,7 @@ Kimi K2.5's PARL trains the orchestrator on ``lambda1 * r_parallel + lambda2 * r
 spawning as many subagents as possible and letting none of them finish anything. Here r_parallel
 counts only productive subagents (at least one finished subtask), so the hack is paid nothing at
 all; the last two tests show what the older count (every spawned subagent) let through. ``SpawnHack``
-does exactly that through the real worker module (``workers.swarm_worker.run_episode``), runtime
+does exactly that through the real worker module (``workers.swarm.run_episode``), runtime
 and simulated subagents, on the task suites and budgets of the quickstart and deep recipes. Each
 episode is scored by the trainer's own shaping (``algos.parl.shaped_rewards``, what ``train.py``
 turns into advantages) with the recipe's own lambda1, lambda2, anneal_steps and format penalty, at
@@ -28,7 +28,7 @@ from aflow_rl.envs.swarm.policies import make_policy
 from aflow_rl.envs.swarm.runtime import SwarmRuntime
 from aflow_rl.envs.swarm.tasks import task_width
 from aflow_rl.rollout.types import WorkerContext
-from workers import swarm_worker
+from workers import swarm as swarm_worker
 
 # The recipes train env.swarm.policy=model; a rule policy in its place needs no policy server.
 # deep's subagents answer through an actor LLM server; on CPU its simulated profiles run them.

@@ -1,4 +1,4 @@
-"""workers.swarm_worker: baseline episodes need no server; traces land under run.dir; mode dispatch."""
+"""workers.swarm: baseline episodes need no server; traces land under run.dir; LLM subagents via the actor."""
 import asyncio
 import glob
 import json
@@ -8,7 +8,7 @@ import pytest
 
 from aflow_rl.config import load_config
 from aflow_rl.rollout.types import Trajectory, WorkerContext
-from workers import swarm_worker
+from workers import swarm as swarm_worker
 
 
 def test_heuristic_episode_without_servers(tmp_path):
@@ -40,23 +40,6 @@ def test_model_policy_needs_a_policy_model_path():
     cfg = load_config(None, ["env.swarm.policy=model", "llm.policy.base_url=http://127.0.0.1:9"])
     with pytest.raises(ValueError, match="serving.policy.model_path"):
         swarm_worker.init_worker(WorkerContext(config=cfg))
-
-
-def test_plan_act_mode_dispatches(monkeypatch):
-    import aflow_rl.envs.swarm.plan_act as plan_act
-
-    seen = {}
-
-    async def fake(task, ctx):
-        seen["task"] = task
-        return Trajectory(episode_id="p", group_id="p")
-
-    monkeypatch.setattr(plan_act, "run_plan_act_episode", fake)
-    cfg = load_config(None, ["env.mode=plan_act"])
-    ctx = WorkerContext(config=cfg, state={"policy_client": object(), "actor_client": object(),
-                                           "tokenizer": object(), "swarm_ready": True})
-    out = asyncio.run(swarm_worker.run_episode({"task_id": "q"}, ctx))
-    assert out.episode_id == "p" and seen["task"] == {"task_id": "q"}
 
 
 def test_llm_subagents_through_the_actor_client():

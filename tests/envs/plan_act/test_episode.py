@@ -1,4 +1,4 @@
-"""Plan/Act mode: reasoning-gym tasks and scoring, the planner turn, actor execution,
+"""Plan/Act environment: reasoning-gym tasks and scoring, the planner turn, actor execution,
 the planner-timeout fallback against a real endpoint that never answers, and one
 end-to-end episode on the embedded server when it is available."""
 import asyncio
@@ -13,8 +13,9 @@ import time
 import pytest
 
 from aflow_rl.config import ClientConfig, Config
-from aflow_rl.envs.swarm.plan_act import (extract_answer, make_plan_act_tasks, parse_plan, planner_messages,
-                                          run_plan_act_episode, score_answer)
+from aflow_rl.envs.plan_act.episode import extract_answer, parse_plan, planner_messages, run_plan_act_episode
+from aflow_rl.envs.plan_act.tasks import make_tasks as make_plan_act_tasks
+from aflow_rl.envs.plan_act.tasks import score_answer
 from aflow_rl.llm.base import Completion, LLMError
 from aflow_rl.rollout.turns import chat_prompt_ids
 from aflow_rl.rollout.types import WorkerContext

@@ -1,4 +1,7 @@
-"""Worker module of the AFlow environment: evaluating workflows with the executor model.
+"""Worker module of the AFlow environment (``env.name: aflow``): the contract of docs/architecture.md.
+
+Training episodes: ``make_tasks`` and ``run_episode`` (the optimizer's proposals,
+aflow_rl/envs/aflow/episode.py). Evaluating workflows with the executor model:
 
 ``init_worker(ctx)`` runs once per worker process: it builds the executor
 client (``llm.actor`` against ``ctx.urls["actor"]``, the actor endpoint: SGLang,

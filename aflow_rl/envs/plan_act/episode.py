@@ -1,4 +1,4 @@
-"""Plan/Act mode of the swarm environment (``env.mode: plan_act``).
+"""The Plan/Act episode (``env.name: plan_act``).
 
 A large planner (the trained orchestrator, behind the policy endpoint) writes
 a numbered plan; a small frozen actor (the actor endpoint) executes it step by
@@ -12,20 +12,19 @@ Trajectory then has no turns (nothing to train on) and records
 ``metrics["planner_fallback"] = 1`` and ``info["fallback"]``. Without the
 fallback the episode ends with status ``timeout``.
 
-    tasks = make_plan_act_tasks(cfg, n=8, seed=0)
-    traj = await run_plan_act_episode(tasks[0], ctx)   # ctx.state from swarm_worker.init_worker
+    tasks = make_tasks(cfg, n=8, seed=0)               # aflow_rl.envs.plan_act.tasks
+    traj = await run_plan_act_episode(tasks[0], ctx)   # ctx.state from workers.plan_act.init_worker
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
-import json
 import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from aflow_rl.envs.plan_act.tasks import score_answer
 from aflow_rl.llm.base import Completion, LLMClient, LLMError
 from aflow_rl.rollout.turns import generate_turn
 from aflow_rl.rollout.types import Trajectory, Turn, WorkerContext
@@ -46,57 +45,6 @@ _CARRY_CHARS = 800
 _STEP_LINE = re.compile(r"^\s*(?:step\s*)?(\d{1,2})\s*[.):\-]\s*(.*\S)?\s*$", re.I)
 _ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?::|=|\bis\b)\s*(.*\S)", re.I)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-
-
-# ---------------------------------------------------------------------------
-# Tasks and scoring (reasoning-gym)
-# ---------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=32)
-def _dataset(name: str, seed: int, size: int) -> Any:
-    """One reasoning-gym dataset per (name, seed, size) and process; entries are generated on demand."""
-    import reasoning_gym  # heavy import, only where plan_act runs
-
-    return reasoning_gym.create_dataset(name, size=size, seed=seed)
-
-
-def _json_safe(value: Any) -> Any:
-    """Metadata may hold tuples or odd types; tasks must survive JSON (traces, dask)."""
-    return json.loads(json.dumps(value, default=str))
-
-
-def make_plan_act_tasks(cfg: Any, n: int, seed: int) -> list[dict]:
-    """``n`` JSON-safe task dicts from the reasoning-gym dataset ``cfg.env.plan_act.dataset``.
-
-    Each carries the dataset name, seed, size and index (which regenerate the
-    entry) and the entry itself (question, answer, metadata) for scoring. The
-    same seed gives the same tasks.
-    """
-    name = cfg.env.plan_act.dataset
-    ds = _dataset(name, seed, n)
-    tasks = []
-    for i in range(n):
-        entry = ds[i]
-        tasks.append({
-            "env": "plan_act",
-            "task_id": f"{name}/{seed}/{i}",
-            "dataset": name,
-            "dataset_seed": seed,
-            "dataset_size": n,
-            "index": i,
-            "question": entry["question"],
-            "answer": entry["answer"],
-            "metadata": _json_safe(entry.get("metadata", {})),
-        })
-    return tasks
-
-
-def score_answer(task: dict, answer: str | None) -> float:
-    """reasoning-gym's own score of ``answer`` for the task's entry, in [0, 1]."""
-    ds = _dataset(task["dataset"], task["dataset_seed"], task["dataset_size"])
-    entry = {"question": task["question"], "answer": task["answer"], "metadata": task["metadata"]}
-    return float(ds.score_answer(answer, entry))
 
 
 # ---------------------------------------------------------------------------
@@ -250,7 +198,7 @@ def _resolve(ctx: WorkerContext, key: str, given: Any) -> Any:
     if given is not None:
         return given
     if key not in ctx.state:
-        raise KeyError(f"plan_act needs ctx.state[{key!r}] (workers.swarm_worker.init_worker sets it) "
+        raise KeyError(f"plan_act needs ctx.state[{key!r}] (workers.plan_act.init_worker sets it) "
                        f"or the {key} argument")
     return ctx.state[key]
 
