@@ -342,7 +342,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 def _worker_replacement(value: Any) -> str:
     """The ``env.name`` that replaces an old ``rollout.worker: module:function`` value."""
-    module = str(value).partition(":")[0]
+    module = str(value or "").partition(":")[0].strip()
     shipped = {"workers.swarm_worker": "swarm", "workers.aflow_worker": "aflow"}
     return shipped.get(module, module or "swarm")
 

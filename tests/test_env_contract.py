@@ -179,6 +179,19 @@ def test_removed_and_malformed_keys_name_the_replacement(override, message):
     assert _one_line(exc).startswith(message)
 
 
+@pytest.mark.parametrize("text,message", [
+    ("rollout:\n  worker: workers.aflow_worker:run_episode\n", "rollout.worker was removed: set env.name: aflow"),
+    ("rollout:\n  worker:\n", "rollout.worker was removed: set env.name: swarm"),
+    ("env:\n  name: swarm\n  mode: plan_act\n", "env.mode was removed: set env.name: plan_act"),
+])
+def test_an_old_recipe_file_fails_naming_the_replacement(tmp_path, text, message):
+    path = tmp_path / "old.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(str(path))
+    assert _one_line(exc).startswith(message)
+
+
 def test_every_shipped_recipe_names_its_environment():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     configs = sorted(f for f in os.listdir(os.path.join(root, "configs")) if f.endswith(".yaml"))
