@@ -29,10 +29,10 @@ def cfg_with(tmp_path, *overrides):
     return load_config(TEST_YAML, [f"run.dir={tmp_path / 'run'}", *overrides])
 
 
-def pool_of(**kw):
+def pool_of(env=FAKE, **kw):
     base = dict(backend="threading", workers=2, concurrency_per_worker=4, episode_timeout_s=5.0,
                 timeout_grace_s=1.0, max_attempts=2, start_timeout_s=30.0)
-    return RolloutPool(RolloutConfig(**{**base, **kw}), env=FAKE).start()
+    return RolloutPool(RolloutConfig(**{**base, **kw}), env=env).start()
 
 
 # ---------------------------------------------------------------------------
@@ -75,6 +75,9 @@ async def flaky_episode(task, ctx):
                       turns=[Turn(prompt_ids=[1], response_ids=[2, 3], logprobs=[-0.5, -0.5])], final_reward=1.0)
 
 
+run_episode = flaky_episode  # this module is the worker module (env.name) of the retry test below
+
+
 def test_a_step_where_every_episode_fails_is_retried_then_stops_the_run(tmp_path):
     cfg = cfg_with(tmp_path, "rollout.group_size=2", "trainer.max_failed_step_retries=2")
     said, saved = [], []
@@ -97,7 +100,7 @@ def test_a_step_that_recovers_on_retry_goes_on_with_summed_counters(tmp_path):
     _CALLS = itertools.count()
     cfg = cfg_with(tmp_path, "rollout.group_size=2", "trainer.max_failed_step_retries=2")
     tasks = [{"task_id": "t0", "fail_calls": 4}]   # 2 episodes x 2 attempts fail, then the retry succeeds
-    with pool_of(workers=1, backend="sequential", worker="tests.test_train_loop:flaky_episode") as pool:
+    with pool_of("tests.test_train_loop", workers=1, backend="sequential") as pool:
         trajs, counters = train.rollout_with_retries(pool, tasks, cfg, 0, say=lambda m: None)
     assert [t.ok for t in trajs] == [True, True]
     assert counters["pool/failed"] == 2 and counters["pool/retries"] == 2   # first rollout's, carried over
