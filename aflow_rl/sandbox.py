@@ -68,12 +68,17 @@ from dataclasses import dataclass
 
 import psutil
 
+from aflow_rl import sandbox_cgroup
+
 log = logging.getLogger(__name__)
 
 MAX_OUTPUT_BYTES = 1 << 20  # per stream; the rest is read and dropped so the child never blocks
 FSIZE_BYTES = 16 << 20
 NOFILE = 256
 NPROC = 64  # counts threads too (RLIMIT_NPROC counts tasks)
+# The run's pids cgroup also holds the jail's two set-up processes (sandbox_init, the jail's init); in
+# basic mode sandbox_init becomes the program (exec). Either way the program gets NPROC tasks.
+_JAIL_SETUP_TASKS = 2
 # After the program exits, how long to wait for its pipes to close (basic mode: orphans may hold them).
 _EXIT_GRACE_S = 0.5
 # Per-run uids for jail mode: far above any real account, so no file on the host belongs to them.
@@ -178,6 +183,14 @@ def _probe_jail() -> str:
     return "basic"
 
 
+def limits_summary() -> str:
+    """How memory and process count are bounded on this machine, in one line (for the start-up line)."""
+    h, why = sandbox_cgroup.find()
+    if h is not None:
+        return f"memory and tasks bounded per run as a whole (cgroup v{h.version}: memory_mb, {NPROC} tasks)"
+    return f"memory per process (RLIMIT_AS) and tasks per uid (RLIMIT_NPROC {NPROC}) only: {why}"
+
+
 @functools.lru_cache(maxsize=1)
 def _python_dirs() -> tuple[list[str], list[str]]:
     """(site-packages dirs to import from, every dir the interpreter needs inside the jail)."""
@@ -211,12 +224,24 @@ def hidden_paths() -> tuple[str, ...]:
 def _run(code: str, *, timeout_s: float, memory_mb: int, stdin: str | bytes | None, mode: str,
          judge: dict | None = None) -> SandboxResult:
     base = tempfile.mkdtemp(prefix="aflow_sbx_")
+    cgroup = None
     try:
-        return _run_in(base, code, timeout_s, memory_mb, stdin, mode, judge)
-    except OSError as e:  # the sandbox itself could not start (fork/pipe/disk): report, don't raise
+        cgroup = _run_cgroup(os.path.basename(base).removeprefix("aflow_sbx_"), memory_mb, mode)
+        return _run_in(base, code, timeout_s, memory_mb, stdin, mode, judge, cgroup)
+    except OSError as e:  # the sandbox itself could not start (fork/pipe/disk/cgroup): report, don't raise
         return SandboxResult(False, -1, "", "", False, f"sandbox failed to start: {e}")
     finally:
+        if cgroup is not None and not cgroup.close():
+            log.warning("sandbox: a process of the run would not die; its cgroup %s is left", cgroup.dirs)
         shutil.rmtree(base, onerror=_force_remove)
+
+
+def _run_cgroup(token: str, memory_mb: int, mode: str) -> sandbox_cgroup.RunCgroup | None:
+    """The run's memory+pids cgroup, or None where the machine has none (``limits_summary`` says which)."""
+    h, _ = sandbox_cgroup.find()
+    if h is None:
+        return None
+    return sandbox_cgroup.RunCgroup.create(h, token, memory_mb << 20, NPROC + (_JAIL_SETUP_TASKS if mode == "jail" else 0))
 
 
 @functools.lru_cache(maxsize=1)
@@ -236,7 +261,7 @@ def _prelude_source(mode: str, judge_fd: int | None) -> str:
 
 
 def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode: str,
-            judge: dict | None) -> SandboxResult:
+            judge: dict | None, cgroup: sandbox_cgroup.RunCgroup | None) -> SandboxResult:
     work, jail_root = os.path.join(base, "work"), os.path.join(base, "root")
     os.mkdir(work, 0o700)
     os.mkdir(jail_root, 0o755)
@@ -260,6 +285,8 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
         "mode": mode, "uid": uid, "work": work, "jail_root": jail_root, "python_dirs": python_dirs,
         "prelude": prelude, "jail_prelude": _JAIL_PRELUDE, "hidden": list(hidden_paths()),
         "parent_pid": os.getpid(),
+        # sandbox_init joins these first thing, so every process of the run is inside the cgroup.
+        "cgroup_procs": cgroup.join_files() if cgroup is not None else [],
         "limits": {"cpu_s": int(math.ceil(timeout_s)) + 1, "as_bytes": memory_mb << 20,
                    "fsize_bytes": FSIZE_BYTES, "nofile": NOFILE, "nproc": NPROC},
         # The token names the run in `ps` (and lets tests find leftovers); the prelude hides it from sys.argv.
@@ -303,12 +330,13 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
         proc.wait()
         if mode != "jail":
             _sweep(token)
+        oom_kills = cgroup.oom_kills() if cgroup is not None else 0
         proc.stdout.close()
         proc.stderr.close()
         os.close(status_r)
         if ours:
             ours.close()
-    result = _result(proc.returncode, out, err, status, timed_out, timeout_s, memory_mb)
+    result = _result(proc.returncode, out, err, status, timed_out, timeout_s, memory_mb, oom_kills)
     return result if judge is None else _judged(result, verdict, judge["nonce"])
 
 
@@ -398,7 +426,7 @@ def _text(data: bytearray, dropped: int) -> str:
 
 
 def _result(returncode: int, out: str, err: str, status: str, timed_out: bool, timeout_s: float,
-            memory_mb: int) -> SandboxResult:
+            memory_mb: int, oom_kills: int = 0) -> SandboxResult:
     exit_code, setup_error = returncode, ""
     for line in status.splitlines():
         kind, _, rest = line.partition(" ")
@@ -412,6 +440,8 @@ def _result(returncode: int, out: str, err: str, status: str, timed_out: bool, t
         error = f"timed out after {timeout_s:g} s"
     elif setup_error:
         error = f"sandbox setup failed: {setup_error}"
+    elif exit_code != 0 and oom_kills:  # the kernel killed a process of the run at the cgroup's limit
+        error = f"memory limit {memory_mb} MB exceeded"
     elif exit_code < 0:
         sig = -exit_code
         if sig == signal.SIGXCPU:

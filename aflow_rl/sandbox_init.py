@@ -224,12 +224,26 @@ def _init(cfg: dict, status_fd: int, parent_alive_fd: int) -> None:
     os._exit(0)  # the kernel now kills whatever the program left behind in the namespace
 
 
+def _join_cgroups(procs_files: list[str], status_fd: int) -> None:
+    """Enter the run's memory+pids cgroup before anything else: every process forked from here on
+    (the jail's init, the program, all its children) is inside and counted together. No untrusted
+    code runs unless this worked."""
+    try:
+        for path in procs_files:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+    except OSError as e:
+        os.write(status_fd, f"setup-error cannot join the run's cgroup {path}: {e.strerror or e}\n".encode())
+        os._exit(125)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     if "parent_pid" in cfg:
         _die_with_parent(cfg["parent_pid"])
     status_fd = cfg["status_fd"]
     os.set_inheritable(status_fd, False)  # closed on exec: the user's program never sees it
+    _join_cgroups(cfg.get("cgroup_procs", []), status_fd)
     if cfg["mode"] != "jail":
         _exec_user(cfg, status_fd)
     try:
