@@ -74,6 +74,10 @@ log = logging.getLogger(__name__)
 
 MAX_OUTPUT_BYTES = 1 << 20  # per stream; the rest is read and dropped so the child never blocks
 FSIZE_BYTES = 16 << 20
+# The work directory's total size and file count (jail: its tmpfs; basic: measured while the program runs).
+WORK_DIR_MB = 64
+WORK_DIR_FILES = 4096
+_WATCH_EVERY_S = 0.1
 NOFILE = 256
 NPROC = 64  # counts threads too (RLIMIT_NPROC counts tasks)
 # The run's pids cgroup also holds the jail's two set-up processes (sandbox_init, the jail's init); in
@@ -270,42 +274,22 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
     stdin_path = os.path.join(base, "stdin")
     with open(stdin_path, "wb") as f:
         f.write(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
-    uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if mode == "jail" else os.getuid()
-    if mode == "jail":
-        os.chown(work, uid, uid)
-    home = "/tmp" if mode == "jail" else work
-    _, python_dirs = _python_dirs()
     # The judge's end of its channel: a socket, which (unlike a pipe) cannot be reopened through /proc.
     ours, theirs = socket.socketpair() if judge is not None else (None, None)
     prelude = os.path.join(base, "prelude.py")
     with open(prelude, "w", encoding="utf-8") as f:
         f.write(_prelude_source(mode, theirs.fileno() if theirs else None))
     token = os.path.basename(base)
-    cfg = {
-        "mode": mode, "uid": uid, "work": work, "jail_root": jail_root, "python_dirs": python_dirs,
-        "prelude": prelude, "jail_prelude": _JAIL_PRELUDE, "hidden": list(hidden_paths()),
-        "parent_pid": os.getpid(),
-        # sandbox_init joins these first thing, so every process of the run is inside the cgroup.
-        "cgroup_procs": cgroup.join_files() if cgroup is not None else [],
-        "limits": {"cpu_s": int(math.ceil(timeout_s)) + 1, "as_bytes": memory_mb << 20,
-                   "fsize_bytes": FSIZE_BYTES, "nofile": NOFILE, "nproc": NPROC},
-        # The token names the run in `ps` (and lets tests find leftovers); the prelude hides it from sys.argv.
-        "argv": [sys.executable, "-I", "-S", "-B", "-X", "utf8", _JAIL_PRELUDE if mode == "jail" else prelude,
-                 f"aflow-sandbox:{token}"],
-        "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": home,
-                "TMPDIR": home, "USER": "sandbox", "LOGNAME": "sandbox", "OMP_NUM_THREADS": "1",
-                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-    }
+    cfg = _init_config(mode, work, jail_root, prelude, token, timeout_s, memory_mb, cgroup)
     status_r, status_w = os.pipe()
     cfg["status_fd"] = status_w
     cfg["keep_fds"] = [theirs.fileno()] if theirs else []
-    pass_fds = (status_w, *cfg["keep_fds"])
     try:
         with open(stdin_path, "rb") as stdin_f:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-B", _INIT, json.dumps(cfg)], stdin=stdin_f, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, cwd=work, env={"PATH": cfg["env"]["PATH"], "LANG": "C.UTF-8"},
-                start_new_session=True, pass_fds=pass_fds, close_fds=True)
+                start_new_session=True, pass_fds=(status_w, *cfg["keep_fds"]), close_fds=True)
     except BaseException:
         os.close(status_r)
         if ours:
@@ -315,12 +299,43 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
         os.close(status_w)
         if theirs:
             theirs.close()
-    sender = None
     if judge is not None:  # in a thread: a large test file must not block us while the child starts
-        sender = threading.Thread(target=_send_quietly, args=(ours, judge), daemon=True)
-        sender.start()
+        threading.Thread(target=_send_quietly, args=(ours, judge), daemon=True).start()
+    # Basic mode has no tmpfs to bound its work dir: it is measured while the program runs instead.
+    watch = functools.partial(_work_dir_over_quota, work) if mode != "jail" else None
+    return _finish(proc, status_r, ours, token, mode, cgroup, watch, timeout_s, memory_mb, judge)
+
+
+def _init_config(mode: str, work: str, jail_root: str, prelude: str, token: str, timeout_s: float,
+                 memory_mb: int, cgroup: sandbox_cgroup.RunCgroup | None) -> dict:
+    """What sandbox_init.py needs to set up the run (passed as JSON on its command line)."""
+    uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if mode == "jail" else os.getuid()
+    home = "/tmp" if mode == "jail" else work
+    _, python_dirs = _python_dirs()
+    return {
+        "mode": mode, "uid": uid, "work": work, "jail_root": jail_root, "python_dirs": python_dirs,
+        "prelude": prelude, "jail_prelude": _JAIL_PRELUDE, "hidden": list(hidden_paths()),
+        "parent_pid": os.getpid(),
+        # sandbox_init joins these first thing, so every process of the run is inside the cgroup.
+        "cgroup_procs": cgroup.join_files() if cgroup is not None else [],
+        # The jail's /tmp: a tmpfs of this size and file count, the run's only writable place.
+        "work_quota": {"bytes": WORK_DIR_MB << 20, "files": WORK_DIR_FILES},
+        "limits": {"cpu_s": int(math.ceil(timeout_s)) + 1, "as_bytes": memory_mb << 20,
+                   "fsize_bytes": FSIZE_BYTES, "nofile": NOFILE, "nproc": NPROC},
+        # The token names the run in `ps` (and lets tests find leftovers); the prelude hides it from sys.argv.
+        "argv": [sys.executable, "-I", "-S", "-B", "-X", "utf8", _JAIL_PRELUDE if mode == "jail" else prelude,
+                 f"aflow-sandbox:{token}"],
+        "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": home,
+                "TMPDIR": home, "USER": "sandbox", "LOGNAME": "sandbox", "OMP_NUM_THREADS": "1",
+                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    }
+
+
+def _finish(proc: subprocess.Popen, status_r: int, ours, token: str, mode: str, cgroup, watch, timeout_s: float,
+            memory_mb: int, judge: dict | None) -> SandboxResult:
+    """Collect the run's output until it ends (or the deadline, or the watch says stop), then kill what is left."""
     try:
-        out, err, status, verdict, timed_out = _collect(proc, status_r, ours, timeout_s)
+        out, err, status, verdict, timed_out, stopped = _collect(proc, status_r, ours, timeout_s, watch)
     finally:
         # Kill the group while the leader is still unreaped, so its pid (= the pgid) cannot be reused.
         try:
@@ -336,8 +351,35 @@ def _run_in(base: str, code: str, timeout_s: float, memory_mb: int, stdin, mode:
         os.close(status_r)
         if ours:
             ours.close()
-    result = _result(proc.returncode, out, err, status, timed_out, timeout_s, memory_mb, oom_kills)
+    result = _result(proc.returncode, out, err, status, timed_out, timeout_s, memory_mb, oom_kills, stopped)
     return result if judge is None else _judged(result, verdict, judge["nonce"])
+
+
+def _work_dir_over_quota(work: str) -> str:
+    """Basic mode's work-dir quota, checked while the program runs: the reason to stop it, or ""."""
+    total, files, stack = 0, 0, [work]
+    while stack:
+        try:
+            it = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with it:
+            for e in it:  # lazily: a directory of a million files stops the count at WORK_DIR_FILES
+                files += 1
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    else:
+                        total += e.stat(follow_symlinks=False).st_blocks * 512  # occupied, holes excluded
+                except OSError:
+                    pass
+                if total > WORK_DIR_MB << 20 or files > WORK_DIR_FILES:
+                    return _quota_error()
+    return ""
+
+
+def _quota_error() -> str:
+    return f"work directory quota exceeded ({WORK_DIR_MB} MB, {WORK_DIR_FILES} files)"
 
 
 def _send_quietly(sock: socket.socket, judge: dict) -> None:
@@ -369,9 +411,10 @@ def _exited(pid: int) -> bool:
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
-def _collect(proc: subprocess.Popen, status_r: int, verdict_sock: socket.socket | None, timeout_s: float):
-    """Read stdout/stderr (capped), the status pipe and the judge's verdict until they close or the
-    deadline passes."""
+def _collect(proc: subprocess.Popen, status_r: int, verdict_sock: socket.socket | None, timeout_s: float,
+             watch=None):
+    """Read stdout/stderr (capped), the status pipe and the judge's verdict until they close, the
+    deadline passes or ``watch()`` (called every _WATCH_EVERY_S) returns a reason to stop."""
     start = time.monotonic()
     deadline = start + timeout_s
     streams = {proc.stdout.fileno(): [bytearray(), 0], proc.stderr.fileno(): [bytearray(), 0]}
@@ -381,10 +424,14 @@ def _collect(proc: subprocess.Popen, status_r: int, verdict_sock: socket.socket 
     sel = selectors.DefaultSelector()
     for fd in (*streams, *small):
         sel.register(fd, selectors.EVENT_READ)
-    timed_out, exited = False, False
+    timed_out, exited, stopped, next_watch = False, False, "", start + _WATCH_EVERY_S
     with sel:
         while sel.get_map():
             now = time.monotonic()
+            if watch is not None and now >= next_watch:
+                stopped, next_watch = watch(), now + _WATCH_EVERY_S
+                if stopped:
+                    break
             if not exited and _exited(proc.pid):
                 exited = True
                 deadline = min(deadline, now + _EXIT_GRACE_S)
@@ -407,7 +454,7 @@ def _collect(proc: subprocess.Popen, status_r: int, verdict_sock: socket.socket 
                     buf[1] += max(len(data) - max(room, 0), 0)
     out, err = (_text(*streams[s.fileno()]) for s in (proc.stdout, proc.stderr))
     verdict = _verdict(bytes(small[verdict_sock.fileno()])) if verdict_sock is not None else ""
-    return out, err, small[status_r].decode(errors="replace"), verdict, timed_out
+    return out, err, small[status_r].decode(errors="replace"), verdict, timed_out, stopped
 
 
 def _verdict(data: bytes) -> str:
@@ -426,7 +473,7 @@ def _text(data: bytearray, dropped: int) -> str:
 
 
 def _result(returncode: int, out: str, err: str, status: str, timed_out: bool, timeout_s: float,
-            memory_mb: int, oom_kills: int = 0) -> SandboxResult:
+            memory_mb: int, oom_kills: int = 0, stopped: str = "") -> SandboxResult:
     exit_code, setup_error = returncode, ""
     for line in status.splitlines():
         kind, _, rest = line.partition(" ")
@@ -436,7 +483,9 @@ def _result(returncode: int, out: str, err: str, status: str, timed_out: bool, t
             exit_code = int(rest)
         elif kind == "signal":
             exit_code = -int(rest)
-    if timed_out:
+    if stopped:
+        error = stopped
+    elif timed_out:
         error = f"timed out after {timeout_s:g} s"
     elif setup_error:
         error = f"sandbox setup failed: {setup_error}"
@@ -452,6 +501,8 @@ def _result(returncode: int, out: str, err: str, status: str, timed_out: bool, t
         tail = err[-4000:]
         if "MemoryError" in tail or "Cannot allocate memory" in tail:
             error = f"memory limit {memory_mb} MB exceeded"
+        elif "No space left on device" in tail or "Disk quota exceeded" in tail:
+            error = _quota_error()
         elif "BlockingIOError" in tail or "Resource temporarily unavailable" in tail:
             error = f"process limit of {NPROC} processes/threads reached"
         else:

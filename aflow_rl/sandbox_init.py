@@ -86,11 +86,25 @@ def _bind_python_dirs(root: str, dirs: list[str], bound: list[str]) -> None:
         bound.append(real)
 
 
+def _work_tmpfs(root: str, work: str, quota: dict, uid: int) -> None:
+    """The jail's /tmp: a tmpfs of ``quota`` bytes and files, owned by the run's uid, holding a copy of
+    ``work`` (main.py). The size bounds what the program can write in all; the tmpfs lives in this
+    mount namespace only and vanishes with the run. Its pages are memory, charged to the run's cgroup."""
+    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={quota['bytes']},nr_inodes={quota['files']},mode=0700,uid={uid},gid={uid}")
+    for name in os.listdir(work):
+        src = os.path.join(work, name)
+        if os.path.isfile(src):
+            with open(src, "rb") as f, open(os.path.join(root + "/tmp", name), "wb") as g:
+                g.write(f.read())
+
+
 def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str, str],
-                hidden: list[str] = ()) -> None:
-    """Read-only chroot at ``root``: userland, Python, the prelude, /dev nodes, /proc; ``work`` writable
-    at /tmp; each ``hidden`` path (benchmark answer files inside the Python install) masked by an
-    empty read-only mount. ``prelude`` is (host path, path in the jail)."""
+                hidden: list[str] = (), quota: dict | None = None, uid: int = 0) -> None:
+    """Read-only chroot at ``root``: userland, Python, the prelude, /dev nodes, /proc; a copy of ``work``
+    writable at /tmp (a tmpfs of ``quota``, owned by ``uid``); each ``hidden`` path (benchmark answer
+    files inside the Python install) masked by an empty read-only mount. ``prelude`` is (host path,
+    path in the jail)."""
     # Private propagation first, so none of the mounts below reaches the host's namespace.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
@@ -125,7 +139,7 @@ def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str
     open(root + prelude[1], "w").close()
     _bind(prelude[0], root + prelude[1])
     _mkdirs(root + "/tmp")
-    _bind(work, root + "/tmp", readonly=False)
+    _work_tmpfs(root, work, quota or {"bytes": 64 << 20, "files": 4096}, uid)
     _bind_python_dirs(root, [d for d in python_real if under_tmp(d)], bound)
     for h in hidden:
         if os.path.isdir(root + h):
@@ -206,7 +220,7 @@ def _init(cfg: dict, status_fd: int, parent_alive_fd: int) -> None:
     _die_with_parent(None, parent_alive_fd)
     try:
         _build_jail(cfg["jail_root"], cfg["work"], cfg["python_dirs"], (cfg["prelude"], cfg["jail_prelude"]),
-                    cfg.get("hidden", []))
+                    cfg.get("hidden", []), cfg.get("work_quota"), cfg["uid"])
     except BaseException as e:  # noqa: BLE001
         os.write(status_fd, f"setup-error {type(e).__name__}: {e}\n".encode())
         os._exit(125)

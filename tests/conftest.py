@@ -53,3 +53,13 @@ def mode(request, monkeypatch):
         pytest.skip("no jail on this machine (needs Linux, root, CAP_SYS_ADMIN)")
     monkeypatch.setenv("AFLOW_SANDBOX", request.param)
     return request.param
+
+
+@pytest.fixture
+def jail(monkeypatch):
+    """The sandbox's jail mode; skips where the machine cannot make one (needs Linux, root, CAP_SYS_ADMIN)."""
+    from aflow_rl import sandbox
+
+    monkeypatch.delenv("AFLOW_SANDBOX", raising=False)
+    if sandbox.isolation() != "jail":
+        pytest.skip("no jail on this machine (needs Linux, root, CAP_SYS_ADMIN)")

@@ -176,3 +176,43 @@ def test_summary_names_the_cgroup():
     h, _ = sandbox_cgroup.find()
     assert sandbox.limits_summary() == (f"memory and tasks bounded per run as a whole (cgroup v{h.version}: "
                                         f"memory_mb, {NPROC} tasks)")
+
+
+# 40 files of 15 MB (each under RLIMIT_FSIZE's 16 MB): 600 MB got written before there was a quota.
+_FILL_600MB = """
+written = 0
+try:
+    for i in range(40):
+        with open(f"f{i}", "wb") as f:
+            for _ in range(15):
+                f.write(b"x" * 2**20)
+                f.flush()
+                written += 2**20
+finally:
+    print("written", written, flush=True)
+"""
+
+
+def test_work_dir_total_size_is_capped(mode):
+    r = run_python(_FILL_600MB, timeout_s=30)
+    quota = sandbox.WORK_DIR_MB << 20
+    assert not r.ok and r.error == f"work directory quota exceeded ({sandbox.WORK_DIR_MB} MB, 4096 files)", r
+    if mode == "jail":  # a tmpfs of that size: the write that does not fit fails (ENOSPC)
+        assert int(r.stdout.split()[1]) <= quota, r.stdout
+        assert "No space left on device" in r.stderr
+    else:  # measured every 0.1 s, then killed: it overshoots by what it wrote meanwhile
+        assert "written" not in r.stdout or int(r.stdout.split()[1]) < 3 * quota, r.stdout
+
+
+def test_work_dir_file_count_is_capped(jail):
+    # (jail only: basic mode counts the same way, but creating 4096 files on this host's disk takes ~20 s)
+    r = run_python("for i in range(100000):\n    open(f'f{i}', 'w').close()\nprint('all made')", timeout_s=30)
+    assert not r.ok and "all made" not in r.stdout, r
+    assert r.error == f"work directory quota exceeded ({sandbox.WORK_DIR_MB} MB, 4096 files)", r
+
+
+def test_work_dir_quota_is_per_run(mode):
+    # Two runs after one another each get the whole quota: the first one's files are gone.
+    code = "open('big', 'wb').write(b'x' * (15 * 2**20))\nopen('big2', 'wb').write(b'x' * (15 * 2**20))\nprint('ok')"
+    assert run_python(code).stdout == "ok\n"
+    assert run_python(code + "\nimport os\nprint(sorted(os.listdir('.')))").stdout == "ok\n['big', 'big2', 'main.py']\n"
