@@ -69,6 +69,7 @@ from dataclasses import dataclass
 import psutil
 
 from aflow_rl import sandbox_cgroup
+from aflow_rl.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ _EXIT_GRACE_S = 0.5
 _UID_BASE, _UID_SPAN = 2_000_000_000, 100_000_000
 _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py")
 _ENV_MODE = "AFLOW_SANDBOX"
+_ENV_ALLOW = "AFLOW_SANDBOX_ALLOW_UNISOLATED"  # mirrors sandbox.allow_unisolated for child processes
 
 # The script the sandboxed interpreter runs (jail: /sandbox_prelude.py, read-only): sandbox_prelude.py's
 # source, then one line calling its entry point for this run (a program, or a judged test run).
@@ -117,11 +119,13 @@ def run_python(code: str, *, timeout_s: float = 10, memory_mb: int = 512, stdin:
     """Run ``code`` as a Python program in the sandbox; ``stdin`` is fed to it. Never raises for bad code.
 
     ``ok`` means the program exited with status 0: right for running code to see its output, never
-    enough to decide that code passed its tests (the code can exit 0 itself): use :func:`run_judged`."""
+    enough to decide that code passed its tests (the code can exit 0 itself): use :func:`run_judged`.
+    Raises :class:`SandboxRefused` where only basic isolation exists and it is not allowed (``configure``)."""
     if not isinstance(code, str):
         raise TypeError(f"code must be str, got {type(code).__name__}")
     _check_limits(timeout_s, memory_mb)
-    return _run(code, timeout_s=float(timeout_s), memory_mb=int(memory_mb), stdin=stdin, mode=isolation())
+    return _run(code, timeout_s=float(timeout_s), memory_mb=int(memory_mb), stdin=stdin,
+                mode=_require_isolation())
 
 
 def run_judged(solution: str, *, tests: str, entry_point: str, setup: str = "", call: str = "candidate",
@@ -145,8 +149,8 @@ def run_judged(solution: str, *, tests: str, entry_point: str, setup: str = "", 
         raise ValueError(f"entry_point must be an identifier, got {entry_point!r}")
     _check_limits(timeout_s, memory_mb)
     judge = {"setup": setup, "tests": tests, "entry": entry_point, "call": call, "nonce": secrets.token_hex(16)}
-    return _run(solution, timeout_s=float(timeout_s), memory_mb=int(memory_mb), stdin=None, mode=isolation(),
-                judge=judge)
+    return _run(solution, timeout_s=float(timeout_s), memory_mb=int(memory_mb), stdin=None,
+                mode=_require_isolation(), judge=judge)
 
 
 def _check_limits(timeout_s: float, memory_mb: int) -> None:
@@ -156,6 +160,11 @@ def _check_limits(timeout_s: float, memory_mb: int) -> None:
 
 _probe_lock = threading.Lock()
 _probed: str | None = None
+_basic_why = ""  # why the probe settled on basic
+
+
+class SandboxRefused(ConfigError):
+    """Untrusted code would run under basic isolation without ``sandbox.allow_unisolated: true``."""
 
 
 def isolation() -> str:
@@ -164,7 +173,7 @@ def isolation() -> str:
     ``AFLOW_SANDBOX=basic|jail`` forces one; otherwise the first call probes
     the jail once per process and falls back to basic, with a warning, if it fails.
     """
-    global _probed
+    global _probed, _basic_why
     forced = os.environ.get(_ENV_MODE, "").strip().lower()
     if forced:
         if forced not in ("basic", "jail"):
@@ -172,19 +181,69 @@ def isolation() -> str:
         return forced
     with _probe_lock:
         if _probed is None:
-            _probed = _probe_jail()
+            _probed, _basic_why = _probe_jail()
         return _probed
 
 
-def _probe_jail() -> str:
-    if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        return "basic"
+def _probe_jail() -> tuple[str, str]:
+    """("jail", "") or ("basic", why the jail cannot be made here)."""
+    if not sys.platform.startswith("linux"):
+        return "basic", f"the jail needs Linux, this is {sys.platform}"
+    if os.geteuid() != 0:
+        return "basic", "the jail needs root (with CAP_SYS_ADMIN)"
     r = _run("print('ok')", timeout_s=20.0, memory_mb=256, stdin=None, mode="jail")
     if r.ok and r.stdout == "ok\n":
-        return "jail"
-    log.warning("sandbox: jail unavailable (%s); using basic isolation (limits and Python-level guards only)",
-                r.error or r.stderr.strip()[-200:])
-    return "basic"
+        return "jail", ""
+    return "basic", f"the jail failed to start: {(r.error or r.stderr.strip()[-200:])[:300]}"
+
+
+def unisolated_allowed() -> bool:
+    """May untrusted code run under basic isolation? ``sandbox.allow_unisolated`` (through ``configure``,
+    which passes it on to the processes this one starts) or ``AFLOW_SANDBOX_ALLOW_UNISOLATED=1``."""
+    return os.environ.get(_ENV_ALLOW, "").strip().lower() in ("1", "true", "yes")
+
+
+def configure(allow_unisolated: bool, *, check: bool = True) -> str:
+    """Apply the config's ``sandbox.allow_unisolated`` to this process and every process it starts
+    later (worker pools inherit the environment). With ``check``, decide the isolation now, so a
+    refusal (:class:`SandboxRefused`) stops a run at start-up, and return the start-up line."""
+    os.environ[_ENV_ALLOW] = "1" if allow_unisolated else "0"
+    if not check:
+        return ""
+    _require_isolation(announce=False)
+    return describe()
+
+
+def describe() -> str:
+    """One line: the isolation runs get here, how memory/tasks and the work directory are bounded."""
+    mode = isolation()
+    if mode == "jail":
+        what = "jail (namespaces, read-only chroot, a fresh uid, no network)"
+        disk = f"work dir: a {WORK_DIR_MB} MB tmpfs"
+    else:
+        why = f"forced by {_ENV_MODE}=basic" if os.environ.get(_ENV_MODE) else _basic_why
+        what = f"basic, NOT isolated ({why}; allowed by sandbox.allow_unisolated)"
+        disk = f"work dir: {WORK_DIR_MB} MB, measured every {_WATCH_EVERY_S:g} s"
+    return f"sandbox: {what}; {limits_summary()}; {disk}"
+
+
+_announced = False
+
+
+def _require_isolation(announce: bool = True) -> str:
+    """The isolation mode for a run of untrusted code; refuses basic unless allowed; says once per
+    process which isolation applies (the start-up line, ``describe``)."""
+    global _announced
+    mode = isolation()
+    if mode == "basic" and not unisolated_allowed():
+        why = f"{_ENV_MODE}=basic is set" if os.environ.get(_ENV_MODE) else _basic_why
+        raise SandboxRefused(
+            f"sandbox: only basic isolation here ({why}), which does not contain untrusted code "
+            "(docs/security.md); set sandbox.allow_unisolated: true to run it anyway")
+    if announce and not _announced:
+        _announced = True
+        (log.warning if mode == "basic" else log.info)("%s", describe())
+    return mode
 
 
 def limits_summary() -> str:

@@ -42,6 +42,11 @@ def tiny_model_dir_b(tmp_path_factory):
 
 
 
+# Tests run trusted code in the sandbox, on machines with or without a jail: basic isolation is allowed
+# (sandbox.allow_unisolated); tests/test_sandbox_policy.py checks the refusal with this unset.
+os.environ.setdefault("AFLOW_SANDBOX_ALLOW_UNISOLATED", "1")
+
+
 @pytest.fixture(params=["jail", "basic"])
 def mode(request, monkeypatch):
     """Each sandbox isolation mode in turn (AFLOW_SANDBOX); jail skips where the machine cannot make one.
