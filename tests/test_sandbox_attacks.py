@@ -246,6 +246,16 @@ for p in pids:
     except OSError:
         print("hidden")
 """, _no_secret),
+    # Below the Python audit hook that guards open() in basic mode: libc's open and read via ctypes.
+    "read_proc_environs_via_libc": Attack("""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for pid in (os.getppid(), CTX['host_pid'], CTX['victim_pid']):
+    fd = libc.open(f'/proc/{pid}/environ'.encode(), 0)
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = libc.read(fd, buf, len(buf)) if fd >= 0 else -1
+    print(buf.raw[:max(n, 0)].replace(b'\\0', b' ').decode(errors='replace') if n > 0 else 'hidden')
+""", _no_secret),
     "scan_all_proc_environs": Attack("""
 import os
 visible = [p for p in os.listdir('/proc') if p.isdigit()]
