@@ -9,8 +9,13 @@ installs such as ``aflow_rl`` itself do not) with
 
 * rlimits: CPU time (timeout + 1 s), address space (``memory_mb``), file size
   (16 MB), open files (256), no core dumps, and processes+threads (64);
+* where a writable memory+pids cgroup exists (root; ``sandbox_cgroup``), one
+  per run: ``memory_mb`` and 64 tasks for the run as a whole (rlimits alone
+  are per process / per uid), and every process of the run killed after it;
 * a wall-clock timeout kept by this process, which then kills the whole
   process group (and, in jail mode, the PID namespace);
+* a work-directory quota of ``WORK_DIR_MB`` and ``WORK_DIR_FILES`` (jail: a
+  tmpfs of that size; basic: measured while the program runs);
 * a scrubbed environment (PATH, locale, HOME/TMPDIR, thread counts: none of
   the parent's variables, so no secrets);
 * a throwaway working directory (``tempfile.mkdtemp``), removed afterwards;
@@ -24,7 +29,7 @@ How much more isolation there is depends on the machine, see ``isolation()``:
   chroot that holds only the system dirs (/usr, /lib...), the Python install,
   a few /etc files, the prelude, /dev/{null,zero,full,random,urandom} and the
   namespace's own /proc, with the work directory as the only writable place
-  (mounted at /tmp, also the cwd); a fresh unprivileged uid per run (so
+  (a size-limited tmpfs at /tmp, also the cwd); a fresh unprivileged uid per run (so
   RLIMIT_NPROC applies per run, and nothing outside the work dir is
   writable even through a mount), no capabilities, no_new_privs; an empty
   network namespace (no interface up: even the host's 127.0.0.1 is
@@ -40,7 +45,10 @@ How much more isolation there is depends on the machine, see ``isolation()``:
   whatever that user can (the run dir, ``/proc/<parent>/environ``), reach the
   network and create processes by going below the Python guards
   (``import _socket``, ``posix.fork``), and as root RLIMIT_NPROC is not
-  enforced by the kernel at all.
+  enforced by the kernel at all (the run's pids cgroup still is). So it runs
+  untrusted code only when allowed (``sandbox.allow_unisolated``, see
+  ``configure``); otherwise ``SandboxRefused``. ``describe()`` is the one
+  line that says which isolation and limits apply (logged once per process).
 
 ``run_python`` never raises because of the code it runs; a failure of the
 sandbox itself (it could not start) comes back as ``ok=False`` with the reason.

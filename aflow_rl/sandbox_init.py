@@ -5,14 +5,18 @@ in a new session, so it imports only the standard library and never ``aflow_rl``
 It reports through the status pipe named in the config, one line each:
 ``exit N`` / ``signal N`` (how the user's program ended) or ``setup-error TEXT``.
 
+Before anything else this process joins the run's memory and pids cgroups
+(``cgroup_procs`` in the config, made by the parent): everything it starts is
+counted and killed together.
+
 Two modes (the parent picks one; see ``sandbox.isolation()``):
 
 * ``jail`` (needs root with CAP_SYS_ADMIN, Linux): new mount, network, PID and
   IPC namespaces. This process stays outside the new PID namespace and waits;
   its child is PID 1 (a tiny init) inside it. The init builds a read-only
   chroot (system dirs, the Python install, a few /etc files, /dev nodes, a fresh
-  /proc) whose only writable place is the throwaway work directory mounted at
-  /tmp, forks the user's program under a fresh unprivileged uid with rlimits,
+  /proc) whose only writable place is /tmp, a size-limited tmpfs holding a copy
+  of the work directory, forks the user's program under a fresh unprivileged uid with rlimits,
   and reaps. When the init exits, the kernel kills everything left in the
   namespace, so no process outlives the run. The empty network namespace has
   no route anywhere (not even to the host's 127.0.0.1). A per-run uid makes
