@@ -213,9 +213,11 @@ def unisolated_allowed() -> bool:
 
 def configure(allow_unisolated: bool, *, check: bool = True) -> str:
     """Apply the config's ``sandbox.allow_unisolated`` to this process and every process it starts
-    later (worker pools inherit the environment). With ``check``, decide the isolation now, so a
-    refusal (:class:`SandboxRefused`) stops a run at start-up, and return the start-up line."""
-    os.environ[_ENV_ALLOW] = "1" if allow_unisolated else "0"
+    later (worker pools inherit the environment; an ``AFLOW_SANDBOX_ALLOW_UNISOLATED=1`` already set
+    by the operator stays). With ``check``, decide the isolation now, so a refusal
+    (:class:`SandboxRefused`) stops a run at start-up, and return the start-up line."""
+    if allow_unisolated:
+        os.environ[_ENV_ALLOW] = "1"
     if not check:
         return ""
     _require_isolation(announce=False)

@@ -43,9 +43,16 @@ def test_allow_unisolated_lets_basic_run(refused_basic, monkeypatch):
     assert line.startswith("sandbox: basic, NOT isolated (forced by AFLOW_SANDBOX=basic; allowed by "
                            "sandbox.allow_unisolated); "), line
     assert run_python("print(6 * 7)").stdout == "42\n"
-    configure(False, check=False)
+    monkeypatch.delenv(ALLOW)
+    assert configure(False, check=False) == ""
     with pytest.raises(SandboxRefused):
         run_python("print(1)")
+
+
+def test_the_operators_variable_also_allows(refused_basic, monkeypatch):
+    monkeypatch.setenv(ALLOW, "1")
+    assert configure(False).startswith("sandbox: basic, NOT isolated")
+    assert run_python("print(1)").ok
 
 
 def test_a_failing_jail_is_refused_not_silently_demoted(monkeypatch):
