@@ -216,3 +216,52 @@ def test_work_dir_quota_is_per_run(mode):
     code = "open('big', 'wb').write(b'x' * (15 * 2**20))\nopen('big2', 'wb').write(b'x' * (15 * 2**20))\nprint('ok')"
     assert run_python(code).stdout == "ok\n"
     assert run_python(code + "\nimport os\nprint(sorted(os.listdir('.')))").stdout == "ok\n['big', 'big2', 'main.py']\n"
+
+
+# cgroup v2 and cgroup namespaces are not what this machine mounts (v1 here): their discovery and the
+# files a run's cgroup writes are checked on a directory laid out like /sys/fs/cgroup (a unit test).
+
+def _fake_v2(tmp_path, monkeypatch, controllers: str):
+    own = tmp_path / "cg2" / "app.slice"
+    own.mkdir(parents=True)
+    (own / "cgroup.controllers").write_text(controllers)
+    (own / "cgroup.subtree_control").write_text("")
+    monkeypatch.setattr(sandbox_cgroup, "_mounts", lambda: [("/", str(tmp_path / "cg2"), "cgroup2", {"rw"})])
+    monkeypatch.setattr(sandbox_cgroup, "_own_paths", lambda: {"": "/app.slice"})
+    sandbox_cgroup.find.cache_clear()
+    return own
+
+
+@pytest.fixture
+def fresh_find():
+    sandbox_cgroup.find.cache_clear()
+    yield
+    sandbox_cgroup.find.cache_clear()
+
+
+def test_v2_hierarchy_enables_both_controllers_and_sets_limits(tmp_path, monkeypatch, fresh_find):
+    own = _fake_v2(tmp_path, monkeypatch, "cpuset cpu io memory hugetlb pids rdma misc")
+    h, why = sandbox_cgroup.find()
+    assert (h, why) == (sandbox_cgroup.Hierarchy(2, str(own), str(own)), "")
+    assert (own / "cgroup.subtree_control").read_text() == "+memory +pids"
+    cg = sandbox_cgroup.RunCgroup.create(h, "tok", 256 << 20, 64)
+    (run,) = cg.dirs
+    assert os.path.basename(run) == f"aflow_sbx_{os.getpid()}_tok"
+    assert open(os.path.join(run, "memory.max")).read() == str(256 << 20)
+    assert open(os.path.join(run, "pids.max")).read() == "64"
+    assert cg.join_files() == [os.path.join(run, "cgroup.procs")]
+    with open(os.path.join(run, "memory.events"), "w") as f:
+        f.write("low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\n")
+    assert cg.oom_kills() == 2
+
+
+def test_v2_without_the_controllers_falls_back(tmp_path, monkeypatch, fresh_find):
+    own = _fake_v2(tmp_path, monkeypatch, "cpu io hugetlb")
+    assert sandbox_cgroup.find() == (None, f"cgroup v2 at {own} lacks the memory or pids controller")
+
+
+def test_cgroup_namespace_paths():
+    # A container's cgroup namespace mounts its own subtree: the mount root is cut from our path.
+    assert sandbox_cgroup._below("/", "/sys/fs/cgroup/memory", "/process_api/x") == "/sys/fs/cgroup/memory/process_api/x"
+    assert sandbox_cgroup._below("/docker/abc", "/sys/fs/cgroup/pids", "/docker/abc/sub") == "/sys/fs/cgroup/pids/sub"
+    assert sandbox_cgroup._below("/docker/abc", "/sys/fs/cgroup/pids", "/docker/abc") == "/sys/fs/cgroup/pids/"
