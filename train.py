@@ -59,6 +59,13 @@ def preflight(cfg: Config) -> None:
         if getattr(cfg.serving, role).backend == "sglang" and importlib.util.find_spec("sglang") is None:
             sys.exit(f"serving.{role}.backend=sglang but the sglang package is not installed: "
                      "pip install -e .[gpu] (or use backend=embedded on CPU)")
+    from aflow_rl.sandbox import configure
+
+    # AFlow runs generated code: say which isolation it gets (SandboxRefused, a ConfigError, where only
+    # basic isolation exists and sandbox.allow_unisolated is false). Other envs only pass the setting on.
+    line = configure(cfg.sandbox.allow_unisolated, check=cfg.env.name == "aflow")
+    if line:
+        print(line, flush=True)
 
 
 class RunFailed(RuntimeError):

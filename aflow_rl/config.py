@@ -256,6 +256,11 @@ class TrainerConfig:
 
 
 @dataclass
+class SandboxConfig:
+    allow_unisolated: bool = _f(False, "Run generated code even where the sandbox has only basic isolation (no jail: not root, not Linux); basic mode does not contain hostile code (docs/security.md).")
+
+
+@dataclass
 class Config:
     run: RunConfig = _f(RunConfig, "Run identity and output folder.")
     resume: str = _f("auto", "auto (newest complete checkpoint in run.dir) | never | a checkpoint path.")
@@ -265,6 +270,7 @@ class Config:
     env: EnvConfig = _f(EnvConfig, "Environment.")
     algo: AlgoConfig = _f(AlgoConfig, "Advantages, loss and reward shaping.")
     trainer: TrainerConfig = _f(TrainerConfig, "Optimisation.")
+    sandbox: SandboxConfig = _f(SandboxConfig, "Where generated code runs (env aflow: Programmer, Test, code scoring).")
 
     @property
     def run_dir(self) -> str:

@@ -5,14 +5,18 @@ in a new session, so it imports only the standard library and never ``aflow_rl``
 It reports through the status pipe named in the config, one line each:
 ``exit N`` / ``signal N`` (how the user's program ended) or ``setup-error TEXT``.
 
+Before anything else this process joins the run's memory and pids cgroups
+(``cgroup_procs`` in the config, made by the parent): everything it starts is
+counted and killed together.
+
 Two modes (the parent picks one; see ``sandbox.isolation()``):
 
 * ``jail`` (needs root with CAP_SYS_ADMIN, Linux): new mount, network, PID and
   IPC namespaces. This process stays outside the new PID namespace and waits;
   its child is PID 1 (a tiny init) inside it. The init builds a read-only
   chroot (system dirs, the Python install, a few /etc files, /dev nodes, a fresh
-  /proc) whose only writable place is the throwaway work directory mounted at
-  /tmp, forks the user's program under a fresh unprivileged uid with rlimits,
+  /proc) whose only writable place is /tmp, a size-limited tmpfs holding a copy
+  of the work directory, forks the user's program under a fresh unprivileged uid with rlimits,
   and reaps. When the init exits, the kernel kills everything left in the
   namespace, so no process outlives the run. The empty network namespace has
   no route anywhere (not even to the host's 127.0.0.1). A per-run uid makes
@@ -86,11 +90,25 @@ def _bind_python_dirs(root: str, dirs: list[str], bound: list[str]) -> None:
         bound.append(real)
 
 
+def _work_tmpfs(root: str, work: str, quota: dict, uid: int) -> None:
+    """The jail's /tmp: a tmpfs of ``quota`` bytes and files, owned by the run's uid, holding a copy of
+    ``work`` (main.py). The size bounds what the program can write in all; the tmpfs lives in this
+    mount namespace only and vanishes with the run. Its pages are memory, charged to the run's cgroup."""
+    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={quota['bytes']},nr_inodes={quota['files']},mode=0700,uid={uid},gid={uid}")
+    for name in os.listdir(work):
+        src = os.path.join(work, name)
+        if os.path.isfile(src):
+            with open(src, "rb") as f, open(os.path.join(root + "/tmp", name), "wb") as g:
+                g.write(f.read())
+
+
 def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str, str],
-                hidden: list[str] = ()) -> None:
-    """Read-only chroot at ``root``: userland, Python, the prelude, /dev nodes, /proc; ``work`` writable
-    at /tmp; each ``hidden`` path (benchmark answer files inside the Python install) masked by an
-    empty read-only mount. ``prelude`` is (host path, path in the jail)."""
+                hidden: list[str] = (), quota: dict | None = None, uid: int = 0) -> None:
+    """Read-only chroot at ``root``: userland, Python, the prelude, /dev nodes, /proc; a copy of ``work``
+    writable at /tmp (a tmpfs of ``quota``, owned by ``uid``); each ``hidden`` path (benchmark answer
+    files inside the Python install) masked by an empty read-only mount. ``prelude`` is (host path,
+    path in the jail)."""
     # Private propagation first, so none of the mounts below reaches the host's namespace.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
@@ -125,7 +143,7 @@ def _build_jail(root: str, work: str, python_dirs: list[str], prelude: tuple[str
     open(root + prelude[1], "w").close()
     _bind(prelude[0], root + prelude[1])
     _mkdirs(root + "/tmp")
-    _bind(work, root + "/tmp", readonly=False)
+    _work_tmpfs(root, work, quota or {"bytes": 64 << 20, "files": 4096}, uid)
     _bind_python_dirs(root, [d for d in python_real if under_tmp(d)], bound)
     for h in hidden:
         if os.path.isdir(root + h):
@@ -206,7 +224,7 @@ def _init(cfg: dict, status_fd: int, parent_alive_fd: int) -> None:
     _die_with_parent(None, parent_alive_fd)
     try:
         _build_jail(cfg["jail_root"], cfg["work"], cfg["python_dirs"], (cfg["prelude"], cfg["jail_prelude"]),
-                    cfg.get("hidden", []))
+                    cfg.get("hidden", []), cfg.get("work_quota"), cfg["uid"])
     except BaseException as e:  # noqa: BLE001
         os.write(status_fd, f"setup-error {type(e).__name__}: {e}\n".encode())
         os._exit(125)
@@ -224,12 +242,26 @@ def _init(cfg: dict, status_fd: int, parent_alive_fd: int) -> None:
     os._exit(0)  # the kernel now kills whatever the program left behind in the namespace
 
 
+def _join_cgroups(procs_files: list[str], status_fd: int) -> None:
+    """Enter the run's memory+pids cgroup before anything else: every process forked from here on
+    (the jail's init, the program, all its children) is inside and counted together. No untrusted
+    code runs unless this worked."""
+    try:
+        for path in procs_files:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+    except OSError as e:
+        os.write(status_fd, f"setup-error cannot join the run's cgroup {path}: {e.strerror or e}\n".encode())
+        os._exit(125)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     if "parent_pid" in cfg:
         _die_with_parent(cfg["parent_pid"])
     status_fd = cfg["status_fd"]
     os.set_inheritable(status_fd, False)  # closed on exec: the user's program never sees it
+    _join_cgroups(cfg.get("cgroup_procs", []), status_fd)
     if cfg["mode"] != "jail":
         _exec_user(cfg, status_fd)
     try:

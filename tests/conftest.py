@@ -42,6 +42,11 @@ def tiny_model_dir_b(tmp_path_factory):
 
 
 
+# Tests run trusted code in the sandbox, on machines with or without a jail: basic isolation is allowed
+# (sandbox.allow_unisolated); tests/test_sandbox_policy.py checks the refusal with this unset.
+os.environ.setdefault("AFLOW_SANDBOX_ALLOW_UNISOLATED", "1")
+
+
 @pytest.fixture(params=["jail", "basic"])
 def mode(request, monkeypatch):
     """Each sandbox isolation mode in turn (AFLOW_SANDBOX); jail skips where the machine cannot make one.
@@ -53,3 +58,13 @@ def mode(request, monkeypatch):
         pytest.skip("no jail on this machine (needs Linux, root, CAP_SYS_ADMIN)")
     monkeypatch.setenv("AFLOW_SANDBOX", request.param)
     return request.param
+
+
+@pytest.fixture
+def jail(monkeypatch):
+    """The sandbox's jail mode; skips where the machine cannot make one (needs Linux, root, CAP_SYS_ADMIN)."""
+    from aflow_rl import sandbox
+
+    monkeypatch.delenv("AFLOW_SANDBOX", raising=False)
+    if sandbox.isolation() != "jail":
+        pytest.skip("no jail on this machine (needs Linux, root, CAP_SYS_ADMIN)")

@@ -23,13 +23,6 @@ def _has_cap_sys_admin() -> bool:
     return bool(int(caps.split()[1], 16) & (1 << 21))
 
 
-@pytest.fixture
-def jail(monkeypatch):
-    monkeypatch.delenv("AFLOW_SANDBOX", raising=False)
-    if sandbox.isolation() != "jail":
-        pytest.skip("no jail on this machine (needs Linux, root, CAP_SYS_ADMIN)")
-
-
 def _leftovers(token: str) -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"]) if token in " ".join(p.info["cmdline"] or ())]
 

@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> dict:
     path, overrides = (argv[0], argv[1:]) if "=" not in argv[0] else (None, argv)
     try:
         cfg = load_config(path, overrides)
-    except ConfigError as exc:
+        from aflow_rl.sandbox import configure
+
+        print(configure(cfg.sandbox.allow_unisolated), flush=True)  # the isolation generated code gets
+    except ConfigError as exc:  # SandboxRefused too: only basic isolation, not allowed
         sys.exit(f"config error: {exc}")
     from aflow_rl.serving.manager import ServerManager
 
