@@ -13,7 +13,7 @@ only measures:
 - ``r_parallel``: the instantiation reward against *serial collapse*:
   ``min(productive subagents, width) / width``, where width is the most task
   items at one dependency depth and a subagent is productive once it has
-  finished a subtask. It saturates at the useful width, so spawning more
+  finished a subtask (1 for a task of width 1: a chain cannot collapse serially). It saturates at the useful width, so spawning more
   subagents than can work at once earns nothing extra, and idle subagents
   (spawned and never run, or given only failing work) earn nothing at all.
 - ``r_finish``: against *spurious parallelism*: subtasks finished over the work
@@ -37,7 +37,14 @@ def r_perf(task: dict, answer: Any, critical_steps: float = 0.0, latency_coef: f
 
 
 def r_parallel(spawned: int, width: int) -> float:
-    """``spawned``: the subagents that count, i.e. the productive ones (see module docstring)."""
+    """``spawned``: the subagents that count, i.e. the productive ones (see module docstring).
+
+    A task of width 1 (a chain) has no parallelism to collapse: serial work is its best plan, so
+    the term is 1 whatever the orchestrator does (constant within a group, it adds nothing to
+    the advantage). Rewarding a chain's single subagent instead taught the policy to spawn on
+    chains as well, at 12 critical steps where solving them itself takes 5.5 (docs/benchmarks.md)."""
+    if width == 1:
+        return 1.0
     return min(spawned, width) / width if width > 0 else 0.0
 
 

@@ -21,6 +21,9 @@ def test_component_functions():
     assert r_perf(task, None) == 0.0
     assert r_parallel(0, 4) == 0.0 and r_parallel(2, 4) == 0.5 and r_parallel(4, 4) == 1.0
     assert r_parallel(40, 4) == 1.0            # saturates: spawning beyond the width earns nothing
+    # A chain (width 1) has no parallelism to collapse: the term is constant, spawning earns nothing.
+    assert r_parallel(0, 1) == 1.0 and r_parallel(1, 1) == 1.0 and r_parallel(3, 1) == 1.0
+    assert r_parallel(0, 0) == 0.0
     assert r_finish(3, 4, 4) == 0.75 and r_finish(2, 2, 8) == 0.25 and r_finish(0, 0, 0) == 0.0
     assert format_reward(3, -0.1) == pytest.approx(-0.3) and format_reward(0, -0.1) == 0.0
 
