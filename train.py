@@ -13,19 +13,24 @@ One iteration (docs/architecture.md):
 """
 from __future__ import annotations
 
-import asyncio
-import importlib
-import json
-import math
 import os
-import re
-import sys
-import time
-from collections import Counter, defaultdict
 
-import numpy as np
+# Before anything can load torch: spinning OpenMP threads made a training step on a loaded
+# 2-core machine 10.8x slower (issue 13); a value the user set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from aflow_rl.config import Config, ConfigError, format_help, load_config, save_resolved
+import asyncio  # noqa: E402 - after the OpenMP setting above
+import importlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections import Counter, defaultdict  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from aflow_rl.config import Config, ConfigError, format_help, load_config, save_resolved  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> Config:

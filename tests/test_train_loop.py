@@ -225,3 +225,35 @@ def test_one_cpu_rank_builds_no_shm_comm_op(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "1 None"
     assert not os.path.exists(tmp_path / "ext")                # nothing was compiled, or even looked up
     assert "shm_comm" not in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# The process environment train.py sets before torch loads
+# ---------------------------------------------------------------------------
+
+_SEE_TORCH = """
+import importlib.abc, os, sys
+seen = []
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("OMP_WAIT_POLICY"))
+        return None
+sys.meta_path.insert(0, Watch())
+import train
+import torch
+print(seen[0], os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE PASSIVE"), ("ACTIVE", "ACTIVE ACTIVE")])
+def test_train_sets_omp_passive_before_torch_loads(given, expected):
+    """Issue 13: a loaded 2-core training step was 10.8x slower with spinning OpenMP threads. Whatever
+    imports torch first, it must already see OMP_WAIT_POLICY=PASSIVE; a value the user set is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    proc = subprocess.run([sys.executable, "-c", _SEE_TORCH], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == expected.split()
