@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     from aflow_rl.serving.grammar import GrammarBackend
     from aflow_rl.serving.manager import ServerManager
     from aflow_rl.trainer.checkpoint import TrainerState, load_checkpoint
-    from aflow_rl.trainer.engine import build_engine, load_reference, setup_distributed, teardown_distributed
+    from aflow_rl.trainer.learner import build_engine, load_reference, setup_distributed, teardown_distributed
     from aflow_rl.trainer.logger import TBLogger
 
     # ---- distributed set-up: plain python is a 1-rank group, torchrun gives N ranks -------------
@@ -175,7 +175,7 @@ class Loop:
 
     def run(self, state) -> None:
         from aflow_rl.trainer.checkpoint import save_checkpoint
-        from aflow_rl.trainer.engine import share_from_rank0
+        from aflow_rl.trainer.learner import share_from_rank0
 
         cfg = self.cfg
         for step in range(state.step, cfg.trainer.max_steps):
@@ -233,7 +233,7 @@ class Loop:
     def train(self, turns, flat_adv, masks):
         """4. Every rank trains on rank 0's batch; the whole batch is one optimizer step per PPO
         epoch (the accumulation follows the batch), so every curve and the LR schedule count the same steps."""
-        from aflow_rl.trainer.engine import train_step
+        from aflow_rl.trainer.learner import train_step
 
         t_train = time.perf_counter()
         if not turns:
@@ -265,7 +265,7 @@ def _from_rank0(main_rank: bool, fn, *, share: bool = True):
     (otherwise the other ranks get None and rank 0 keeps its own)."""
     import pickle
 
-    from aflow_rl.trainer.engine import share_from_rank0
+    from aflow_rl.trainer.learner import share_from_rank0
 
     value = error = None
     if main_rank:

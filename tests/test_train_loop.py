@@ -214,9 +214,9 @@ def test_cuda_runtime_warning_is_dropped_on_cpu(monkeypatch):
 
 def test_one_cpu_rank_builds_no_shm_comm_op(tmp_path):
     """DeepSpeed's CPU communicator would JIT-compile deepspeed_shm_comm (minutes) for a single rank."""
-    from aflow_rl.trainer.engine import clean_dist_env
+    from aflow_rl.trainer.learner import clean_dist_env
 
-    code = ("import deepspeed.comm.comm as c\nfrom aflow_rl.trainer.engine import setup_distributed\n"
+    code = ("import deepspeed.comm.comm as c\nfrom aflow_rl.trainer.learner import setup_distributed\n"
             "d = setup_distributed()\nprint(d.world_size, c.cdb.shm_comm_op)")
     env = {**clean_dist_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,

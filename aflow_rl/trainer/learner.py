@@ -1,4 +1,5 @@
-"""The DeepSpeed engine and one PPO train step over a rollout batch.
+"""The learner: the process group, the DeepSpeed engine and reference model, and one PPO
+train step over a rollout batch (every rank runs all of it; rank 0 shares the batch).
 
     dist = setup_distributed()                        # plain python: 1-rank group; torchrun: from env
     engine = build_engine(model_path, cfg.trainer)
@@ -36,7 +37,7 @@ from aflow_rl.dist import rank_world
 from aflow_rl.rollout.types import Turn
 from aflow_rl.trainer.batch import GrammarMask, make_micro_batches, sequence_logprobs
 
-log = logging.getLogger("aflow_rl.trainer.engine")
+log = logging.getLogger("aflow_rl.trainer.learner")
 
 # ppo_loss statistics averaged over micro-batches and ranks (a fixed order for the all-reduce).
 _STAT_KEYS = ("loss", "policy", "kl", "entropy", "clipfrac", "ratio", "is_weight", "logprob_mismatch")
