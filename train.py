@@ -26,7 +26,7 @@ import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from collections import Counter, defaultdict  # noqa: E402
+from collections import Counter  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -199,29 +199,16 @@ class Loop:
                                 keep_last=cfg.trainer.keep_last, check=cfg.trainer.checkpoint_check)
 
     def rollout(self, step: int):
-        """1. Rollout (retried while every episode fails), 2. PARL-shaped rewards, 3. advantages."""
-        from aflow_rl.algos.advantages import from_trajectories, valid_group_mask
-        from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
-        from aflow_rl.trainer.batch import turn_grammar_masks
+        """1. Rollout (retried while every episode fails), 2-3. the batch: rewards, advantages, masks."""
+        from aflow_rl.trainer.batch import build_batch
 
-        cfg = self.cfg
         t_start = time.perf_counter()
         trajs, pool_stats = self.episodes(step)
         t_rollout = time.perf_counter() - t_start
-        # The terminal reward is R_i minus the step rewards the env already placed on turns,
-        # so every estimator sees exactly the shaped return.
-        shaped = shaped_rewards(trajs, step, cfg.algo.parl)
-        keep = valid_group_mask([t.group_id for t in trajs], [t.ok and bool(t.turns) for t in trajs])
-        kept = [t for t, k in zip(trajs, keep) if k]
-        terminal = [s - float(t.step_rewards.sum()) for t, s, k in zip(trajs, shaped, keep) if k]
-        # GRPO over episode groups, or GiGPO (+ anchor-state step groups).
-        advs = from_trajectories(cfg.algo, kept, terminal)
-        turns = [turn for t in kept for turn in t.turns]
-        flat_adv = np.concatenate(advs) if advs else np.zeros(0)
-        stats = _rollout_stats(trajs, shaped, keep, pool_stats, parl_lambdas(step, cfg.algo.parl))
-        stats["timing/rollout_s"] = t_rollout
+        batch = build_batch(trajs, step, self.cfg, self.grammar)
+        stats = {**_pool_tags(pool_stats), **batch.stats, "timing/rollout_s": t_rollout}
         self._trajs = trajs   # for the text samples
-        return (turns, flat_adv, turn_grammar_masks(turns, self.grammar)), stats
+        return (batch.turns, batch.advantages, batch.grammar_masks), stats
 
     def episodes(self, step: int):
         """B tasks x G episodes through the pool, with the retries of :func:`rollout_with_retries`."""
@@ -424,28 +411,9 @@ def _sync(engine, tokenizer, client, run_dir, version, cfg) -> float:
     return time.perf_counter() - t0
 
 
-def _rollout_stats(trajs, shaped, keep, pool_stats, lambdas) -> dict:
-    """Scalars of one rollout under the metric tags of docs/architecture.md."""
-    ok = [i for i, t in enumerate(trajs) if t.ok]
-    stats: dict[str, float] = {
-        # The pool's own counters (pool/retries, pool/failed, worker deaths, ...) as it keeps them.
-        **{k: float(v) for k, v in pool_stats.items() if k.startswith("pool/")},
-        "pool/skipped_episodes": float(len(trajs) - int(np.sum(keep))),   # left their group or in a short one
-        "charts/parl_lambda1": lambdas[0], "charts/parl_lambda2": lambdas[1],
-    }
-    if ok:
-        r = np.asarray([shaped[i] for i in ok])
-        stats["rewards/mean"], stats["rewards/std"] = float(r.mean()), float(r.std(ddof=1)) if len(r) > 1 else 0.0
-        comps, metrics = defaultdict(list), defaultdict(list)
-        for i in ok:
-            for k, v in trajs[i].reward_components.items():
-                comps[k].append(float(v))
-            for k, v in trajs[i].metrics.items():
-                if isinstance(v, (int, float)):
-                    metrics[k].append(float(v))
-        stats.update({f"rewards/{k}/mean": float(np.mean(v)) for k, v in comps.items()})
-        stats.update({f"episode/{k}": float(np.mean(v)) for k, v in metrics.items()})
-    return stats
+def _pool_tags(pool_stats: dict) -> dict[str, float]:
+    """The pool's own counters (pool/retries, pool/failed, worker deaths, ...) as it keeps them."""
+    return {k: float(v) for k, v in pool_stats.items() if k.startswith("pool/")}
 
 
 def _save_episodes(run_dir: str, step: int, trajs, append: bool = False) -> None:

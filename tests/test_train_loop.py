@@ -13,10 +13,10 @@ import pytest
 
 import train
 from aflow_rl.algos.advantages import valid_group_mask
-from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
-from aflow_rl.config import AlgoConfig, RolloutConfig, load_config
+from aflow_rl.config import RolloutConfig, load_config
 from aflow_rl.rollout.pool import RolloutPool
 from aflow_rl.rollout.types import Trajectory, Turn
+from aflow_rl.trainer.batch import build_batch
 from aflow_rl.trainer.checkpoint import list_checkpoints, manifest
 from aflow_rl.trainer.console import CUDA_WARNING, interrupted_line, quiet_libraries, resume_command
 
@@ -49,8 +49,7 @@ def test_pool_tags_are_the_pools_own_counters(tmp_path):
         own = dict(pool.stats)
     assert counters == own                                     # one rollout: the pool's counters as they are
     keep = valid_group_mask([t.group_id for t in trajs], [t.ok and bool(t.turns) for t in trajs])
-    stats = train._rollout_stats(trajs, shaped_rewards(trajs, 0, AlgoConfig().parl), keep, counters,
-                                 parl_lambdas(0, AlgoConfig().parl))
+    stats = {**train._pool_tags(counters), **build_batch(trajs, 0, cfg).stats}   # as the loop logs them
     logged = {k: v for k, v in stats.items() if k.startswith("pool/") and k != "pool/skipped_episodes"}
     assert logged == {k: float(v) for k, v in own.items()}    # every counter, under its own name
     # Cross-check the counters against the episodes: the 4 raise_first and 2 raise_always episodes
