@@ -89,24 +89,24 @@ def main(argv: list[str] | None = None) -> None:
     dist = setup_distributed()   # plain python: a 1-rank group; torchrun: N ranks
     torch.manual_seed(cfg.run.seed + dist.rank)
     np.random.seed(cfg.run.seed + dist.rank)
-    # on_rank0(fn): rank 0 runs fn; an error there is raised on every rank (none waits in a collective).
+    # on_rank0(fn, *args): rank 0 runs it; an error there is raised on every rank (none waits in a collective).
     on_rank0 = functools.partial(_from_rank0, dist.is_main)
     rank0 = Rank0Services(cfg)
     try:
         on_rank0(rank0.start_servers, share=False)
         learner, state = Learner.build(cfg, dist)
-        on_rank0(lambda: rank0.start_rollout(make_tasks, state, learner.tokenizer), share=False)
+        on_rank0(rank0.start_rollout, make_tasks, state, learner.tokenizer, share=False)
         if state.step > 0:   # the servers started from the base model: bring them to the resumed weights
             learner.sync(rank0.policy_admin, state.step)
         for step in range(state.step, cfg.trainer.max_steps):
             t_start = time.perf_counter()
-            batch = on_rank0(lambda: rank0.rollout(step))     # rollout -> rewards, advantages: every rank gets it
+            batch = on_rank0(rank0.rollout, step)     # rollout -> rewards, advantages: every rank gets it
             stats = learner.train(batch)
             due = (step + 1) % cfg.trainer.sync_every == 0 and batch.turns
             stats["timing/sync_s"] = learner.sync(rank0.policy_admin, step + 1) if due else 0.0
             state.step, state.anneal_step, state.sampler = step + 1, step + 1, rank0.sampler_state()
             stats["timing/step_s"] = time.perf_counter() - t_start
-            on_rank0(lambda: rank0.log(step, batch, stats), share=False)
+            on_rank0(rank0.log, step, batch, stats, share=False)
             if (step + 1) % cfg.trainer.save_every == 0 or step + 1 == cfg.trainer.max_steps:
                 learner.save(state)   # every rank: ZeRO shards are per rank
         rank0.finish(state.step)
@@ -135,7 +135,7 @@ class Learner:
         tokenizer = AutoTokenizer.from_pretrained(policy_path)
         engine = build_engine(policy_path, cfg.trainer)
         ref_model = load_reference(policy_path, engine) if cfg.algo.kl_coef > 0 else None
-        resume_from = _from_rank0(dist.is_main, lambda: _choose_start(cfg))
+        resume_from = _from_rank0(dist.is_main, _choose_start, cfg)
         state = load_checkpoint(engine, resume_from) if resume_from else TrainerState()
         return cls(cfg, dist, engine, ref_model, tokenizer), state
 
@@ -281,8 +281,8 @@ class Rank0Services:
                 getattr(part, stop)()
 
 
-def _from_rank0(main_rank: bool, fn, *, share: bool = True):
-    """``fn()`` on rank 0; its exception is raised on every rank (an error found on rank 0 must not
+def _from_rank0(main_rank: bool, fn, *args, share: bool = True):
+    """``fn(*args)`` on rank 0; its exception is raised on every rank (an error found on rank 0 must not
     leave the others waiting in a collective). ``share``: the result goes to every rank too
     (otherwise the other ranks get None and rank 0 keeps its own)."""
     import pickle
@@ -292,7 +292,7 @@ def _from_rank0(main_rank: bool, fn, *, share: bool = True):
     value = error = None
     if main_rank:
         try:
-            value = fn()
+            value = fn(*args)
         except Exception as exc:   # noqa: BLE001 - re-raised below, on every rank
             error = exc
             try:

@@ -256,3 +256,32 @@ def test_train_sets_omp_passive_before_torch_loads(given, expected):
                           env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == expected.split()
+
+
+# ---------------------------------------------------------------------------
+# Rank 0's calls: the result and any error reach every rank; other ranks' services stay empty
+# ---------------------------------------------------------------------------
+
+
+class _Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("cannot pickle this")
+
+
+def test_from_rank0_returns_the_value_and_raises_rank0s_error():
+    assert train._from_rank0(True, lambda a, b: a + b, 1, 2) == 3
+    assert train._from_rank0(True, lambda: "mine", share=False) == "mine"   # rank 0 keeps its own
+    with pytest.raises(train.RunFailed, match="cannot learn"):
+        train._from_rank0(True, lambda: (_ for _ in ()).throw(train.RunFailed("cannot learn")))
+    with pytest.raises(RuntimeError, match="_Unpicklable: held a socket") as err:
+        train._from_rank0(True, lambda: (_ for _ in ()).throw(_Unpicklable("held a socket")))
+    assert isinstance(err.value.__cause__, _Unpicklable)   # the other ranks get a picklable stand-in
+
+
+def test_rank0_services_on_another_rank_do_nothing(tmp_path, capsys):
+    services = train.Rank0Services(cfg_with(tmp_path))   # never started: what every rank but 0 holds
+    assert services.policy_admin is None and services.sampler_state() is None
+    services.finish(3)
+    services.close()
+    assert capsys.readouterr().out == ""                  # no "done" line from a rank without the bar
+    assert not os.path.exists(tmp_path / "run")           # nothing was created on this rank

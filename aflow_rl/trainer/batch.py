@@ -296,8 +296,8 @@ def build_batch(trajs: Sequence[Trajectory], step: int, cfg: Any, grammar: Any =
     """
     shaped = shaped_rewards(trajs, step, cfg.algo.parl)                                    # [B]
     keep = valid_group_mask([t.group_id for t in trajs], [t.ok and bool(t.turns) for t in trajs])
-    kept = [t for t, k in zip(trajs, keep) if k]
-    terminal = np.asarray([s - float(t.step_rewards.sum()) for t, s, k in zip(trajs, shaped, keep) if k],
+    kept = [t for t, k in zip(trajs, keep, strict=True) if k]
+    terminal = np.asarray([s - float(t.step_rewards.sum()) for t, s, k in zip(trajs, shaped, keep, strict=True) if k],
                           dtype=np.float64)                                               # [K]
     advs = from_trajectories(cfg.algo, kept, terminal)
     turns = [turn for t in kept for turn in t.turns]

@@ -307,7 +307,8 @@ def build_engine(model: str | torch.nn.Module, tcfg: Any, *, ds_config: dict | N
 
     def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(
-            s, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.max_steps * tcfg.ppo_epochs, min_lr_ratio=tcfg.min_lr_ratio))
+            s, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.max_steps * tcfg.ppo_epochs,
+            min_lr_ratio=tcfg.min_lr_ratio))
 
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, weight_decay), config=ds_config,
