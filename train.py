@@ -5,27 +5,33 @@
     python train.py --help                                       # every config key with its help
     tensorboard --logdir runs/
 
-One iteration (docs/architecture.md):
+One iteration (main(); docs/architecture.md walks it through the code):
   rank 0: tasks -> RolloutPool (worker processes, episodes against the servers) -> Trajectories
-  rank 0: PARL-shaped rewards -> GRPO/GiGPO advantages -> batch, shared with every rank
-  all ranks: DeepSpeed PPO update
-  rank 0: weight sync to the policy servers, TensorBoard, checkpoints
+  rank 0: build_batch: PARL-shaped rewards -> GRPO/GiGPO advantages -> Batch, shared with every rank
+  all ranks: Learner.train (DeepSpeed PPO update), Learner.sync (weights to the policy servers)
+  rank 0: Rank0Services.log (TensorBoard, progress bar); all ranks: Learner.save (checkpoints)
 """
 from __future__ import annotations
 
-import asyncio
-import json
-import math
 import os
-import re
-import sys
-import time
-from collections import Counter, defaultdict
 
-import numpy as np
+# Before anything can load torch: spinning OpenMP threads made a training step on a loaded
+# 2-core machine 10.8x slower (issue 13); a value the user set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from aflow_rl.config import Config, ConfigError, format_help, load_config, save_resolved
-from aflow_rl.envs import load_env
+import asyncio  # noqa: E402 - after the OpenMP setting above
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from aflow_rl.config import Config, ConfigError, format_help, load_config, save_resolved  # noqa: E402
+from aflow_rl.envs import load_env  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -73,206 +79,227 @@ class RunFailed(RuntimeError):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Set up, then per step: rollout -> batch (rank 0, shared) -> train -> sync -> log -> checkpoint."""
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     preflight(cfg)
     make_tasks = load_env(cfg.env.name).make_tasks
     if _already_done(cfg):
         return
-
     # Heavy imports after argument parsing, so --help and config errors are instant.
     import torch
 
     from aflow_rl.trainer.console import quiet_libraries
 
     quiet_libraries(torch.cuda.is_available())   # before DeepSpeed and transformers print anything
-    from transformers import AutoTokenizer
+    from aflow_rl.trainer.learner import setup_distributed, teardown_distributed
 
-    from aflow_rl.llm import make_client
-    from aflow_rl.rollout.pool import RolloutPool
-    from aflow_rl.rollout.sampler import TaskSampler
-    from aflow_rl.rollout.types import WorkerContext
-    from aflow_rl.serving.grammar import GrammarBackend
-    from aflow_rl.serving.manager import ServerManager
-    from aflow_rl.trainer.checkpoint import TrainerState, load_checkpoint
-    from aflow_rl.trainer.engine import build_engine, load_reference, setup_distributed, teardown_distributed
-    from aflow_rl.trainer.logger import TBLogger
-
-    # ---- distributed set-up: plain python is a 1-rank group, torchrun gives N ranks -------------
-    dist = setup_distributed()
-    main_rank = dist.is_main
-    run_dir = cfg.run_dir
+    dist = setup_distributed()   # plain python: a 1-rank group; torchrun: N ranks
     torch.manual_seed(cfg.run.seed + dist.rank)
     np.random.seed(cfg.run.seed + dist.rank)
-    run = {"servers": None, "pool": None, "logger": None, "bar": None}
+    # on_rank0(fn, *args): rank 0 runs it; an error there is raised on every rank (none waits in a collective).
+    on_rank0 = functools.partial(_from_rank0, dist.is_main)
+    rank0 = Rank0Services(cfg)
     try:
-        if main_rank:
-            os.makedirs(run_dir, exist_ok=True)
-            save_resolved(cfg)
-            # Rank 0 owns the inference servers (and builds the offline tiny model if asked to).
-            run["servers"] = ServerManager(cfg.serving, run_dir).start()
-        torch.distributed.barrier()  # the policy model directory exists from here on
-        policy_path = cfg.serving.policy.model_path
-        tokenizer = AutoTokenizer.from_pretrained(policy_path)
-
-        # ---- the DeepSpeed engine (every rank), the reference model, resume ----------------------
-        engine = build_engine(policy_path, cfg.trainer)
-        ref_model = load_reference(policy_path, engine) if cfg.algo.kl_coef > 0 else None
-        # Rank 0 picks the checkpoint (damaged ones set aside) and rewinds the run's records to it.
-        resume_from = _from_rank0(main_rank, lambda: _choose_start(cfg))
-        state = load_checkpoint(engine, resume_from) if resume_from else TrainerState()
-
-        # ---- rank 0: the environment's task source, the worker pool, the weight-sync client ------
-        sampler = TaskSampler(make_tasks, cfg, cfg.run.seed, num_tasks=cfg.rollout.num_tasks)
-        if state.sampler:
-            sampler.load_state_dict(state.sampler)
-        policy_admin = None
-        if main_rank:
-            run["logger"] = TBLogger(run_dir, purge_step=state.step + 1)
-            run["logger"].hparams(_hparams(cfg))
-            urls = run["servers"].all_urls()
-            run["pool"] = RolloutPool(cfg.rollout, WorkerContext(config=cfg, urls=urls, run_dir=run_dir)).start()
-            policy_admin = make_client(cfg.llm.policy, urls.get("policy", []), role="policy")
-        if state.step > 0:
-            # The servers started from the base model: bring them to the resumed weights.
-            _sync(engine, tokenizer, policy_admin, run_dir, state.step, cfg)
-        loop = Loop(cfg, dist, engine, ref_model, tokenizer, sampler, run["pool"], run["logger"], policy_admin,
-                    GrammarBackend.from_pretrained(policy_path) if main_rank else None, first_step=state.step,
-                    servers=run["servers"])
-        run["bar"] = loop.bar
-        loop.run(state)
-        loop.bar.close()   # the line below starts on a line of its own
-        if main_rank:
-            print(f"done: {state.step} steps; events, checkpoints and traces in {run_dir}")
+        on_rank0(rank0.start_servers, share=False)
+        learner, state = Learner.build(cfg, dist)
+        on_rank0(rank0.start_rollout, make_tasks, state, learner.tokenizer, share=False)
+        if state.step > 0:   # the servers started from the base model: bring them to the resumed weights
+            learner.sync(rank0.policy_admin, state.step)
+        for step in range(state.step, cfg.trainer.max_steps):
+            t_start = time.perf_counter()
+            batch = on_rank0(rank0.rollout, step)     # rollout -> rewards, advantages: every rank gets it
+            stats = learner.train(batch)
+            due = (step + 1) % cfg.trainer.sync_every == 0 and batch.turns
+            stats["timing/sync_s"] = learner.sync(rank0.policy_admin, step + 1) if due else 0.0
+            state.step, state.anneal_step, state.sampler = step + 1, step + 1, rank0.sampler_state()
+            stats["timing/step_s"] = time.perf_counter() - t_start
+            on_rank0(rank0.log, step, batch, stats, share=False)
+            if (step + 1) % cfg.trainer.save_every == 0 or step + 1 == cfg.trainer.max_steps:
+                learner.save(state)   # every rank: ZeRO shards are per rank
+        rank0.finish(state.step)
     finally:
-        _shut_down(run)
+        rank0.close()
         teardown_distributed()
 
 
-def _shut_down(run: dict) -> None:
-    """Close the bar first (a message after it starts on its own line), then the pool, logger, servers."""
-    if run["bar"] is not None:
-        run["bar"].close()
-    if run["pool"] is not None:
-        run["pool"].close()
-    if run["logger"] is not None:
-        run["logger"].close()
-    if run["servers"] is not None:
-        run["servers"].stop()
+class Learner:
+    """Every rank's half of the run: the DeepSpeed engine, the frozen reference (KL only), the
+    tokenizer. Each method is collective: every rank calls it with the same arguments."""
+
+    def __init__(self, cfg: Config, dist, engine, ref_model, tokenizer):
+        self.cfg, self.dist, self.engine, self.ref_model, self.tokenizer = cfg, dist, engine, ref_model, tokenizer
+
+    @classmethod
+    def build(cls, cfg: Config, dist):
+        """(Learner, TrainerState): the engine from the policy model directory, resumed from the
+        checkpoint rank 0 picks (damaged ones set aside, the run's records rewound to it)."""
+        from transformers import AutoTokenizer
+
+        from aflow_rl.trainer.checkpoint import TrainerState, load_checkpoint
+        from aflow_rl.trainer.learner import build_engine, load_reference
+
+        policy_path = cfg.serving.policy.model_path   # exists: rank 0 started the servers first
+        tokenizer = AutoTokenizer.from_pretrained(policy_path)
+        engine = build_engine(policy_path, cfg.trainer)
+        ref_model = load_reference(policy_path, engine) if cfg.algo.kl_coef > 0 else None
+        resume_from = _from_rank0(dist.is_main, _choose_start, cfg)
+        state = load_checkpoint(engine, resume_from) if resume_from else TrainerState()
+        return cls(cfg, dist, engine, ref_model, tokenizer), state
+
+    def train(self, batch) -> dict:
+        """PPO on rank 0's batch; the whole batch is one optimizer step per PPO epoch (the
+        accumulation follows the batch), so every curve and the LR schedule count the same steps."""
+        from aflow_rl.trainer.learner import train_step
+
+        t_train = time.perf_counter()
+        if not batch.turns:
+            return {"timing/train_s": time.perf_counter() - t_train}   # every group failed or was too small
+        engine, cfg = self.engine, self.cfg
+        per_step = engine.train_micro_batch_size_per_gpu() * self.dist.world_size
+        engine.set_train_batch_size(per_step * math.ceil(len(batch.turns) / per_step))
+        stats = train_step(engine, batch.turns, batch.advantages, algo=cfg.algo, ppo_epochs=cfg.trainer.ppo_epochs,
+                           temperature=cfg.env.temperature, ref_model=self.ref_model,
+                           grammar_masks=batch.grammar_masks, pad_id=self.tokenizer.pad_token_id or 0)
+        return {**stats, "timing/train_s": time.perf_counter() - t_train}
+
+    def sync(self, client, version: int) -> float:
+        """Export the weights and compute the probe logprobs (both collective under ZeRO-3), then
+        rank 0 (``client`` not None) pushes them and verifies the servers. Returns seconds."""
+        import torch
+
+        from aflow_rl.serving.weight_sync import sync_weights
+        from aflow_rl.trainer.weights import export_hf
+
+        t0 = time.perf_counter()
+        engine, tokenizer, cfg = self.engine, self.tokenizer, self.cfg
+        model_dir = export_hf(engine, tokenizer, os.path.join(cfg.run_dir, "sync", "policy"))
+        # Probe: the trainer's own logprobs of a fixed prompt; the servers must reproduce them.
+        probe_ids = tokenizer.encode('{"action": "finish", "answer": "probe"}', add_special_tokens=False)[:16]
+        with torch.no_grad():
+            ids = torch.tensor([probe_ids], device=engine.device)
+            logits = engine.module(input_ids=ids).logits.float()[0, :-1]
+            expected = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
+        if client is None or not client.urls:
+            return time.perf_counter() - t0
+        tol = 1e-2 if cfg.trainer.precision == "fp32" else 0.1
+        asyncio.run(sync_weights(client, model_dir, version, probe_ids=probe_ids, expected_logprobs=expected,
+                                 tol=tol, timeout_s=cfg.trainer.sync_timeout_s))
+        return time.perf_counter() - t0
+
+    def save(self, state) -> None:
+        from aflow_rl.trainer.checkpoint import save_checkpoint
+
+        t = self.cfg.trainer
+        save_checkpoint(self.engine, self.cfg.run_dir, state, tokenizer=self.tokenizer, keep_last=t.keep_last,
+                        check=t.checkpoint_check)
 
 
-class Loop:
-    """The iteration: rollout (rank 0) -> rewards and advantages (rank 0) -> PPO update (every rank)
-    -> weight sync -> TensorBoard and checkpoints. One method per phase, in that order."""
+class Rank0Services:
+    """What only rank 0 runs: the inference servers, the task sampler, the rollout pool, the
+    weight-sync client, the grammar backend, TensorBoard and the progress bar. main() calls the
+    start/rollout/log methods through ``_from_rank0`` (rank 0 only, its errors raised on every
+    rank); on other ranks every field stays None and the None-safe methods do nothing."""
 
-    def __init__(self, cfg, dist, engine, ref_model, tokenizer, sampler, pool, logger, policy_admin, grammar,
-                 first_step: int = 0, servers=None):
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.servers = self.sampler = self.pool = self.policy_admin = self.grammar = None
+        self.logger = self.bar = self.tokenizer = None
+        self._trajs: list = []   # the last rollout's episodes, for the text samples
+
+    def start_servers(self) -> None:
+        """The run directory, the resolved config, and the inference servers (which build the
+        offline tiny model if the recipe asks for it: every rank loads it next)."""
+        from aflow_rl.serving.manager import ServerManager
+
+        os.makedirs(self.cfg.run_dir, exist_ok=True)
+        save_resolved(self.cfg)
+        self.servers = ServerManager(self.cfg.serving, self.cfg.run_dir).start()
+
+    def start_rollout(self, make_tasks, state, tokenizer) -> None:
+        """The task sampler (at its resumed position), TensorBoard, the worker pool, the weight-sync
+        client, the grammar backend and the progress bar."""
         from tqdm import tqdm
 
-        self.cfg, self.dist, self.engine, self.ref_model, self.tokenizer = cfg, dist, engine, ref_model, tokenizer
-        self.sampler, self.pool, self.logger, self.policy_admin, self.grammar = sampler, pool, logger, policy_admin, grammar
-        self.bar = tqdm(total=cfg.trainer.max_steps, initial=first_step, disable=not dist.is_main, desc=cfg.run.name,
-                        dynamic_ncols=True)
-        self._trajs: list = []
-        self.servers = servers   # rank 0's ServerManager: a failed rollout says which server died
+        from aflow_rl.llm import make_client
+        from aflow_rl.rollout.pool import RolloutPool
+        from aflow_rl.rollout.sampler import TaskSampler
+        from aflow_rl.rollout.types import WorkerContext
+        from aflow_rl.serving.grammar import GrammarBackend
+        from aflow_rl.trainer.logger import TBLogger
 
-    def run(self, state) -> None:
-        from aflow_rl.trainer.checkpoint import save_checkpoint
-        from aflow_rl.trainer.engine import share_from_rank0
-
-        cfg = self.cfg
-        for step in range(state.step, cfg.trainer.max_steps):
-            t_start = time.perf_counter()
-            # 1-3 on rank 0 (a step that cannot learn raises RunFailed on every rank, before any checkpoint).
-            batch, roll_stats = _from_rank0(self.dist.is_main, lambda: self.rollout(step), share=False) or (None, {})
-            turns, flat_adv, masks = share_from_rank0(batch)
-            train_stats, train_s = self.train(turns, flat_adv, masks)
-            # 5. Weight sync: the servers sample the next rollout from the new weights.
-            sync_s = 0.0
-            if (step + 1) % cfg.trainer.sync_every == 0 and turns:
-                sync_s = _sync(self.engine, self.tokenizer, self.policy_admin, cfg.run_dir, step + 1, cfg)
-            # 6. Logging (rank 0) and checkpoints (every rank: ZeRO shards are per rank).
-            state.step, state.sampler, state.anneal_step = step + 1, self.sampler.state_dict(), step + 1
-            if self.dist.is_main:
-                self.log(step, {**roll_stats, **train_stats, "timing/train_s": train_s, "timing/sync_s": sync_s,
-                                "timing/step_s": time.perf_counter() - t_start}, flat_adv)
-            self.bar.update(1)
-            if (step + 1) % cfg.trainer.save_every == 0 or step + 1 == cfg.trainer.max_steps:
-                save_checkpoint(self.engine, cfg.run_dir, state, tokenizer=self.tokenizer,
-                                keep_last=cfg.trainer.keep_last, check=cfg.trainer.checkpoint_check)
+        cfg, run_dir = self.cfg, self.cfg.run_dir
+        self.sampler = TaskSampler(make_tasks, cfg, cfg.run.seed, num_tasks=cfg.rollout.num_tasks)
+        if state.sampler:
+            self.sampler.load_state_dict(state.sampler)
+        self.logger = TBLogger(run_dir, purge_step=state.step + 1)
+        self.logger.hparams(_hparams(cfg))
+        urls = self.servers.all_urls()
+        self.pool = RolloutPool(cfg.rollout, WorkerContext(config=cfg, urls=urls, run_dir=run_dir)).start()
+        self.policy_admin = make_client(cfg.llm.policy, urls.get("policy", []), role="policy")
+        self.grammar = GrammarBackend.from_pretrained(cfg.serving.policy.model_path)
+        self.tokenizer = tokenizer
+        self.bar = tqdm(total=cfg.trainer.max_steps, initial=state.step, desc=cfg.run.name, dynamic_ncols=True)
 
     def rollout(self, step: int):
-        """1. Rollout (retried while every episode fails), 2. PARL-shaped rewards, 3. advantages."""
-        from aflow_rl.algos.advantages import from_trajectories, valid_group_mask
-        from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
-        from aflow_rl.trainer.batch import turn_grammar_masks
+        """B tasks x G episodes through the pool (retried while every episode fails, see
+        :func:`rollout_with_retries`), saved as they come, then :func:`build_batch`."""
+        from aflow_rl.trainer.batch import build_batch
 
         cfg = self.cfg
         t_start = time.perf_counter()
-        trajs, pool_stats = self.episodes(step)
-        t_rollout = time.perf_counter() - t_start
-        # The terminal reward is R_i minus the step rewards the env already placed on turns,
-        # so every estimator sees exactly the shaped return.
-        shaped = shaped_rewards(trajs, step, cfg.algo.parl)
-        keep = valid_group_mask([t.group_id for t in trajs], [t.ok and bool(t.turns) for t in trajs])
-        kept = [t for t, k in zip(trajs, keep) if k]
-        terminal = [s - float(t.step_rewards.sum()) for t, s, k in zip(trajs, shaped, keep) if k]
-        # GRPO over episode groups, or GiGPO (+ anchor-state step groups).
-        advs = from_trajectories(cfg.algo, kept, terminal)
-        turns = [turn for t in kept for turn in t.turns]
-        flat_adv = np.concatenate(advs) if advs else np.zeros(0)
-        stats = _rollout_stats(trajs, shaped, keep, pool_stats, parl_lambdas(step, cfg.algo.parl))
-        stats["timing/rollout_s"] = t_rollout
-        self._trajs = trajs   # for the text samples
-        return (turns, flat_adv, turn_grammar_masks(turns, self.grammar)), stats
-
-    def episodes(self, step: int):
-        """B tasks x G episodes through the pool, with the retries of :func:`rollout_with_retries`."""
-        cfg = self.cfg
         tasks = self.sampler.next(cfg.rollout.tasks_per_step)
-        return rollout_with_retries(self.pool, tasks, cfg, step, servers=self.servers, say=self.bar.write,
-                                    save=lambda trajs, again: _save_episodes(cfg.run_dir, step, trajs, append=again))
+        trajs, pool_stats = rollout_with_retries(
+            self.pool, tasks, cfg, step, servers=self.servers, say=self.bar.write,
+            save=lambda trajs, again: _save_episodes(cfg.run_dir, step, trajs, append=again))
+        t_rollout = time.perf_counter() - t_start
+        batch = build_batch(trajs, step, cfg, self.grammar)
+        batch.stats = {**_pool_tags(pool_stats), **batch.stats, "timing/rollout_s": t_rollout}
+        self._trajs = trajs
+        return batch
 
-    def train(self, turns, flat_adv, masks):
-        """4. Every rank trains on rank 0's batch; the whole batch is one optimizer step per PPO
-        epoch (the accumulation follows the batch), so every curve and the LR schedule count the same steps."""
-        from aflow_rl.trainer.engine import train_step
+    def sampler_state(self):
+        return self.sampler.state_dict() if self.sampler is not None else None
 
-        t_train = time.perf_counter()
-        if not turns:
-            return {}, time.perf_counter() - t_train   # every group failed or was too small
-        engine, cfg = self.engine, self.cfg
-        per_step = engine.train_micro_batch_size_per_gpu() * self.dist.world_size
-        engine.set_train_batch_size(per_step * math.ceil(len(turns) / per_step))
-        stats = train_step(engine, turns, flat_adv, algo=cfg.algo, ppo_epochs=cfg.trainer.ppo_epochs,
-                           temperature=cfg.env.temperature, ref_model=self.ref_model, grammar_masks=masks,
-                           pad_id=self.tokenizer.pad_token_id or 0)
-        return stats, time.perf_counter() - t_train
-
-    def log(self, step: int, stats: dict, flat_adv) -> None:
+    def log(self, step: int, batch, train_stats: dict) -> None:
+        """TensorBoard scalars (every ``log_every`` steps and the last), the advantage histogram,
+        sample episodes (every ``sample_every``), and the progress bar."""
         cfg, logger = self.cfg, self.logger
+        stats = {**batch.stats, **train_stats}
         if step % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps:
             logger.scalars(stats, step + 1)
-            if len(flat_adv):
-                logger.histogram("rewards/advantages", flat_adv, step + 1)
+            if len(batch.advantages):
+                logger.histogram("rewards/advantages", batch.advantages, step + 1)
         if step % cfg.trainer.sample_every == 0:
             logger.text("samples/episode", _sample_text(self._trajs, self.tokenizer), step + 1)
         self.bar.set_postfix(reward=f"{stats.get('rewards/mean', float('nan')):.3f}",
                              loss=f"{stats.get('losses/policy', float('nan')):.3f}",
                              roll=f"{stats['timing/rollout_s']:.1f}s", train=f"{stats['timing/train_s']:.1f}s")
+        self.bar.update(1)
+
+    def finish(self, steps: int) -> None:
+        if self.bar is not None:
+            self.bar.close()   # the line below starts on a line of its own
+            print(f"done: {steps} steps; events, checkpoints and traces in {self.cfg.run_dir}")
+
+    def close(self) -> None:
+        """Close the bar first (a message after it starts on its own line), then the pool, logger, servers."""
+        for part, stop in ((self.bar, "close"), (self.pool, "close"), (self.logger, "close"), (self.servers, "stop")):
+            if part is not None:
+                getattr(part, stop)()
 
 
-def _from_rank0(main_rank: bool, fn, *, share: bool = True):
-    """``fn()`` on rank 0; its exception is raised on every rank (an error found on rank 0 must not
+def _from_rank0(main_rank: bool, fn, *args, share: bool = True):
+    """``fn(*args)`` on rank 0; its exception is raised on every rank (an error found on rank 0 must not
     leave the others waiting in a collective). ``share``: the result goes to every rank too
     (otherwise the other ranks get None and rank 0 keeps its own)."""
     import pickle
 
-    from aflow_rl.trainer.engine import share_from_rank0
+    from aflow_rl.trainer.learner import share_from_rank0
 
     value = error = None
     if main_rank:
         try:
-            value = fn()
+            value = fn(*args)
         except Exception as exc:   # noqa: BLE001 - re-raised below, on every rank
             error = exc
             try:
@@ -387,52 +414,9 @@ def _already_done(cfg: Config) -> bool:
     return True
 
 
-def _sync(engine, tokenizer, client, run_dir, version, cfg) -> float:
-    """Export the weights, compute the probe logprobs (both collective under ZeRO-3, so every
-    rank calls this), then rank 0 (``client`` not None) pushes them and verifies the servers."""
-    import torch
-
-    from aflow_rl.serving.weight_sync import sync_weights
-    from aflow_rl.trainer.weights import export_hf
-
-    t0 = time.perf_counter()
-    model_dir = export_hf(engine, tokenizer, os.path.join(run_dir, "sync", "policy"))
-    # Probe: the trainer's own logprobs of a fixed prompt; the servers must reproduce them.
-    probe_ids = tokenizer.encode('{"action": "finish", "answer": "probe"}', add_special_tokens=False)[:16]
-    with torch.no_grad():
-        ids = torch.tensor([probe_ids], device=engine.device)
-        logits = engine.module(input_ids=ids).logits.float()[0, :-1]
-        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
-    if client is None or not client.urls:
-        return time.perf_counter() - t0
-    tol = 1e-2 if cfg.trainer.precision == "fp32" else 0.1
-    asyncio.run(sync_weights(client, model_dir, version, probe_ids=probe_ids, expected_logprobs=expected,
-                             tol=tol, timeout_s=cfg.trainer.sync_timeout_s))
-    return time.perf_counter() - t0
-
-
-def _rollout_stats(trajs, shaped, keep, pool_stats, lambdas) -> dict:
-    """Scalars of one rollout under the metric tags of docs/architecture.md."""
-    ok = [i for i, t in enumerate(trajs) if t.ok]
-    stats: dict[str, float] = {
-        # The pool's own counters (pool/retries, pool/failed, worker deaths, ...) as it keeps them.
-        **{k: float(v) for k, v in pool_stats.items() if k.startswith("pool/")},
-        "pool/skipped_episodes": float(len(trajs) - int(np.sum(keep))),   # left their group or in a short one
-        "charts/parl_lambda1": lambdas[0], "charts/parl_lambda2": lambdas[1],
-    }
-    if ok:
-        r = np.asarray([shaped[i] for i in ok])
-        stats["rewards/mean"], stats["rewards/std"] = float(r.mean()), float(r.std(ddof=1)) if len(r) > 1 else 0.0
-        comps, metrics = defaultdict(list), defaultdict(list)
-        for i in ok:
-            for k, v in trajs[i].reward_components.items():
-                comps[k].append(float(v))
-            for k, v in trajs[i].metrics.items():
-                if isinstance(v, (int, float)):
-                    metrics[k].append(float(v))
-        stats.update({f"rewards/{k}/mean": float(np.mean(v)) for k, v in comps.items()})
-        stats.update({f"episode/{k}": float(np.mean(v)) for k, v in metrics.items()})
-    return stats
+def _pool_tags(pool_stats: dict) -> dict[str, float]:
+    """The pool's own counters (pool/retries, pool/failed, worker deaths, ...) as it keeps them."""
+    return {k: float(v) for k, v in pool_stats.items() if k.startswith("pool/")}
 
 
 def _save_episodes(run_dir: str, step: int, trajs, append: bool = False) -> None:

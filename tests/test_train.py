@@ -10,7 +10,7 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from aflow_rl.trainer.engine import clean_dist_env
+from aflow_rl.trainer.learner import clean_dist_env
 from tests.leftovers import kill_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from aflow_rl.trainer.engine import clean_dist_env
+from aflow_rl.trainer.learner import clean_dist_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = clean_dist_env()   # other tests set up a process group in this interpreter

@@ -13,10 +13,10 @@ import pytest
 
 import train
 from aflow_rl.algos.advantages import valid_group_mask
-from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
-from aflow_rl.config import AlgoConfig, RolloutConfig, load_config
+from aflow_rl.config import RolloutConfig, load_config
 from aflow_rl.rollout.pool import RolloutPool
 from aflow_rl.rollout.types import Trajectory, Turn
+from aflow_rl.trainer.batch import build_batch
 from aflow_rl.trainer.checkpoint import list_checkpoints, manifest
 from aflow_rl.trainer.console import CUDA_WARNING, interrupted_line, quiet_libraries, resume_command
 
@@ -49,8 +49,7 @@ def test_pool_tags_are_the_pools_own_counters(tmp_path):
         own = dict(pool.stats)
     assert counters == own                                     # one rollout: the pool's counters as they are
     keep = valid_group_mask([t.group_id for t in trajs], [t.ok and bool(t.turns) for t in trajs])
-    stats = train._rollout_stats(trajs, shaped_rewards(trajs, 0, AlgoConfig().parl), keep, counters,
-                                 parl_lambdas(0, AlgoConfig().parl))
+    stats = {**train._pool_tags(counters), **build_batch(trajs, 0, cfg).stats}   # as the loop logs them
     logged = {k: v for k, v in stats.items() if k.startswith("pool/") and k != "pool/skipped_episodes"}
     assert logged == {k: float(v) for k, v in own.items()}    # every counter, under its own name
     # Cross-check the counters against the episodes: the 4 raise_first and 2 raise_always episodes
@@ -217,9 +216,9 @@ def test_cuda_runtime_warning_is_dropped_on_cpu(monkeypatch):
 
 def test_one_cpu_rank_builds_no_shm_comm_op(tmp_path):
     """DeepSpeed's CPU communicator would JIT-compile deepspeed_shm_comm (minutes) for a single rank."""
-    from aflow_rl.trainer.engine import clean_dist_env
+    from aflow_rl.trainer.learner import clean_dist_env
 
-    code = ("import deepspeed.comm.comm as c\nfrom aflow_rl.trainer.engine import setup_distributed\n"
+    code = ("import deepspeed.comm.comm as c\nfrom aflow_rl.trainer.learner import setup_distributed\n"
             "d = setup_distributed()\nprint(d.world_size, c.cdb.shm_comm_op)")
     env = {**clean_dist_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
@@ -228,3 +227,64 @@ def test_one_cpu_rank_builds_no_shm_comm_op(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "1 None"
     assert not os.path.exists(tmp_path / "ext")                # nothing was compiled, or even looked up
     assert "shm_comm" not in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# The process environment train.py sets before torch loads
+# ---------------------------------------------------------------------------
+
+_SEE_TORCH = """
+import importlib.abc, os, sys
+seen = []
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("OMP_WAIT_POLICY"))
+        return None
+sys.meta_path.insert(0, Watch())
+import train
+import torch
+print(seen[0], os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE PASSIVE"), ("ACTIVE", "ACTIVE ACTIVE")])
+def test_train_sets_omp_passive_before_torch_loads(given, expected):
+    """Issue 13: a loaded 2-core training step was 10.8x slower with spinning OpenMP threads. Whatever
+    imports torch first, it must already see OMP_WAIT_POLICY=PASSIVE; a value the user set is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    proc = subprocess.run([sys.executable, "-c", _SEE_TORCH], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == expected.split()
+
+
+# ---------------------------------------------------------------------------
+# Rank 0's calls: the result and any error reach every rank; other ranks' services stay empty
+# ---------------------------------------------------------------------------
+
+
+class _Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("cannot pickle this")
+
+
+def test_from_rank0_returns_the_value_and_raises_rank0s_error():
+    assert train._from_rank0(True, lambda a, b: a + b, 1, 2) == 3
+    assert train._from_rank0(True, lambda: "mine", share=False) == "mine"   # rank 0 keeps its own
+    with pytest.raises(train.RunFailed, match="cannot learn"):
+        train._from_rank0(True, lambda: (_ for _ in ()).throw(train.RunFailed("cannot learn")))
+    with pytest.raises(RuntimeError, match="_Unpicklable: held a socket") as err:
+        train._from_rank0(True, lambda: (_ for _ in ()).throw(_Unpicklable("held a socket")))
+    assert isinstance(err.value.__cause__, _Unpicklable)   # the other ranks get a picklable stand-in
+
+
+def test_rank0_services_on_another_rank_do_nothing(tmp_path, capsys):
+    services = train.Rank0Services(cfg_with(tmp_path))   # never started: what every rank but 0 holds
+    assert services.policy_admin is None and services.sampler_state() is None
+    services.finish(3)
+    services.close()
+    assert capsys.readouterr().out == ""                  # no "done" line from a rank without the bar
+    assert not os.path.exists(tmp_path / "run")           # nothing was created on this rank

@@ -180,6 +180,31 @@ def gigpo(step_rewards, traj_ids, group_ids, anchor_keys, *, gamma: float = 1.0,
     tids = _as_list(traj_ids, n, "traj_ids")
     gids = _as_list(group_ids, n, "group_ids")
     keys = _as_list(anchor_keys, n, "anchor_keys")
+    _check_gigpo_args(mode, gamma, omega, eps)
+    if n == 0:
+        return np.zeros(0, dtype=np.float64)
+    use_std = mode == "mean_std_norm"
+    tcode, starts, ends = _trajectory_runs(tids)                      # [N], [T], [T]
+    gcode, n_groups = _factorize(gids, "group_ids")                  # [N]
+    mixed = np.flatnonzero((tcode[1:] == tcode[:-1]) & (gcode[1:] != gcode[:-1]))
+    if len(mixed):
+        i = int(mixed[0]) + 1
+        raise ValueError(f"group_ids: trajectory {tids[i]!r} has rows in groups {gids[i - 1]!r} and {gids[i]!r}; "
+                         f"a trajectory belongs to exactly one task group")
+
+    # Episode level: one return per trajectory, normalised within its task group.
+    ep_return = np.add.reduceat(r, starts)                             # [T]
+    a_episode = _group_normalize(ep_return, gcode[starts], n_groups, use_std=use_std, eps=eps)  # [T]
+
+    # Step level: anchor groups keyed by (task group, anchor key).
+    step_return = _discounted_returns(r, ends, ends - starts, float(gamma))  # [N]
+    scode, n_step_groups = _factorize(_step_group_keys(gcode, keys), "anchor_keys")  # [N]
+    a_step = _group_normalize(step_return, scode, n_step_groups, use_std=use_std, eps=eps)  # [N]
+
+    return a_episode[tcode] + float(omega) * a_step
+
+
+def _check_gigpo_args(mode: str, gamma: float, omega: float, eps: float) -> None:
     if mode not in GIGPO_MODES:
         raise ValueError(f"mode must be one of {GIGPO_MODES}, got {mode!r}")
     if not 0.0 <= gamma <= 1.0:
@@ -188,12 +213,15 @@ def gigpo(step_rewards, traj_ids, group_ids, anchor_keys, *, gamma: float = 1.0,
         raise ValueError(f"omega must be finite, got {omega}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    if n == 0:
-        return np.zeros(0, dtype=np.float64)
-    use_std = mode == "mean_std_norm"
 
-    # Trajectories: codes follow first appearance, so contiguous rows give runs
-    # whose codes are exactly 0, 1, 2, ... (one run per trajectory).
+
+def _trajectory_runs(tids: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [N], starts [T], ends [T]) of the contiguous row blocks of each trajectory.
+
+    Codes follow first appearance, so contiguous rows give runs whose codes are exactly
+    0, 1, 2, ... (one run per trajectory); a trajectory that reappears is a ValueError.
+    """
+    n = len(tids)
     tcode, n_traj = _factorize(tids, "traj_ids")                     # [N]
     new_run = np.ones(n, dtype=bool)
     new_run[1:] = tcode[1:] != tcode[:-1]
@@ -205,33 +233,17 @@ def gigpo(step_rewards, traj_ids, group_ids, anchor_keys, *, gamma: float = 1.0,
                 raise ValueError(f"traj_ids: the rows of trajectory {tids[s]!r} are not contiguous "
                                  f"(it reappears at row {s}); give each trajectory's steps in one block, in time order")
             seen.add(int(tcode[s]))
-    ends = np.append(starts[1:], n)                                    # [T]
-    lengths = ends - starts                                            # [T]
+    return tcode, starts, np.append(starts[1:], n)
 
-    gcode, n_groups = _factorize(gids, "group_ids")                  # [N]
-    mixed = np.flatnonzero(~new_run[1:] & (gcode[1:] != gcode[:-1]))
-    if len(mixed):
-        i = int(mixed[0]) + 1
-        raise ValueError(f"group_ids: trajectory {tids[i]!r} has rows in groups {gids[i - 1]!r} and {gids[i]!r}; "
-                         f"a trajectory belongs to exactly one task group")
 
-    # Episode level: one return per trajectory, normalised within its task group.
-    ep_return = np.add.reduceat(r, starts)                             # [T]
-    a_episode = _group_normalize(ep_return, gcode[starts], n_groups, use_std=use_std, eps=eps)  # [T]
-
-    # Step level: anchor groups keyed by (task group, anchor key).
-    step_return = _discounted_returns(r, ends, lengths, float(gamma))  # [N]
+def _step_group_keys(gcode: np.ndarray, keys: list) -> list:
+    """The step-group key of each row: (task group, anchor key); a None key is a group of its own."""
     for i, k in enumerate(keys):
         try:
             hash(k)
         except TypeError:
             raise ValueError(f"anchor_keys[{i}] = {k!r} is not hashable; use str, int or tuple keys") from None
-    step_keys = [(int(g), k) if k is not None else (int(g), _NoAnchor, i)
-                 for i, (g, k) in enumerate(zip(gcode, keys))]
-    scode, n_step_groups = _factorize(step_keys, "anchor_keys")       # [N]
-    a_step = _group_normalize(step_return, scode, n_step_groups, use_std=use_std, eps=eps)  # [N]
-
-    return a_episode[tcode] + float(omega) * a_step
+    return [(int(g), k) if k is not None else (int(g), _NoAnchor, i) for i, (g, k) in enumerate(zip(gcode, keys))]
 
 
 # ---------------------------------------------------------------------------

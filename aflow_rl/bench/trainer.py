@@ -4,7 +4,7 @@
     python -m aflow_rl.bench.trainer --skip-run        # only the train-step throughput
     python -m aflow_rl.bench.trainer --size 0.5b       # CUDA: ~0.5B random-init Qwen2 in bf16, with MFU
 
-Part 1 times ``trainer.engine.train_step`` (DeepSpeed forward/backward/step
+Part 1 times ``trainer.learner.train_step`` (DeepSpeed forward/backward/step
 with the PPO loss) on synthetic turns of fixed length, and reports tokens/s
 over every token the step processes (prompt + response). On CUDA it also
 reports MFU = 6 * params * tokens/s / peak bf16 FLOP/s (the attention FLOPs
@@ -49,7 +49,7 @@ def bench_train_step(args) -> dict:
     import torch
 
     from aflow_rl.config import load_config
-    from aflow_rl.trainer.engine import build_engine, setup_distributed, train_step
+    from aflow_rl.trainer.learner import build_engine, setup_distributed, train_step
 
     cuda = torch.cuda.is_available()
     overrides = [f"trainer.micro_batch_size={args.micro_batch}", "trainer.lr=1e-5",
@@ -112,7 +112,7 @@ def bench_iteration_split(args) -> dict:
            f"run.dir={run_dir}", f"serving.policy.model_path={model_dir}", f"trainer.max_steps={args.run_steps}",
            f"trainer.save_every={args.run_steps}"]
     t0 = time.perf_counter()
-    from aflow_rl.trainer.engine import clean_dist_env
+    from aflow_rl.trainer.learner import clean_dist_env
 
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=clean_dist_env())
     wall = time.perf_counter() - t0
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.batch} x ({args.prompt_len}+{args.response_len}) tokens, median {ts['step_s_median']:.3f} s "
           f"-> {ts['tokens_per_s']:.0f} tokens/s" + (f", MFU {100 * ts['mfu']:.1f}%" if "mfu" in ts else ""))
     if not args.skip_run:
-        from aflow_rl.trainer.engine import teardown_distributed
+        from aflow_rl.trainer.learner import teardown_distributed
 
         teardown_distributed()
         split = result["iteration"] = bench_iteration_split(args)

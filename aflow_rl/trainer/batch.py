@@ -9,18 +9,24 @@ would hang. A rank short of sequences gets a copy with an all-zero loss mask.
 
 :func:`sequence_logprobs` recomputes the server's logprobs: the log-softmax of
 the temperature-scaled logits after the grammar mask (docs/architecture.md, Serving protocol).
+
+:func:`build_batch` comes first in an iteration: one step's episodes -> the :class:`Batch` every
+rank trains on (PARL-shaped rewards, group filtering, advantages, grammar masks, reward stats).
 """
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from aflow_rl.algos.advantages import from_trajectories, valid_group_mask
+from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
 from aflow_rl.logprobs import policy_logprobs
-from aflow_rl.rollout.types import Turn
+from aflow_rl.rollout.types import Trajectory, Turn
 
 # A grammar mask per sequence: BoolTensor [T, V] (True = allowed), or xgrammar's
 # packed int32 bitmask [T, ceil(V/32)] (32x smaller; unpacked just before use).
@@ -250,3 +256,80 @@ def sequence_logprobs(model: Any, batch: MicroBatch, temperature: float,
     logp = logp * (~pad)
     entropy = entropy * (~pad)
     return logp, entropy
+
+
+# ---------------------------------------------------------------------------
+# One step's episodes -> the batch every rank trains on
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """One optimizer step's training data, built on rank 0 and shared with every rank.
+
+    turns: [N] the policy turns of the kept episodes, episode by episode, in time order.
+    advantages: [N] float64, one per turn (GRPO repeats the episode's value over its turns).
+    grammar_masks: [N] the packed mask the server applied to each turn, or None.
+    terminal_rewards: [K] per kept episode, the PARL-shaped return minus its step rewards.
+    stats: reward scalars under the metric tags of docs/architecture.md.
+    """
+
+    turns: list[Turn]
+    advantages: np.ndarray
+    grammar_masks: list[GrammarMask | None]
+    terminal_rewards: np.ndarray
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def build_batch(trajs: Sequence[Trajectory], step: int, cfg: Any, grammar: Any = None) -> Batch:
+    """The :class:`Batch` of one step's episodes ``trajs`` at optimizer step ``step`` (0-based).
+
+    1. PARL-shaped reward per episode (``cfg.algo.parl``, lambdas annealed by ``step``).
+    2. Failed or turnless episodes leave their group; groups left with fewer than 2 are dropped
+       (:func:`~aflow_rl.algos.advantages.valid_group_mask`).
+    3. Terminal reward = shaped reward minus the step rewards the environment already placed on
+       the turns, so every estimator sees exactly the shaped return while GiGPO's step returns
+       still see where step rewards happened.
+    4. Advantages by ``cfg.algo.adv_estimator`` (:func:`~aflow_rl.algos.advantages.from_trajectories`),
+       flattened to one per turn; the grammar masks rebuilt with ``grammar`` (a
+       :class:`~aflow_rl.serving.grammar.GrammarBackend`; needed only when a turn has a grammar).
+    """
+    shaped = shaped_rewards(trajs, step, cfg.algo.parl)                                    # [B]
+    keep = valid_group_mask([t.group_id for t in trajs], [t.ok and bool(t.turns) for t in trajs])
+    kept = [t for t, k in zip(trajs, keep, strict=True) if k]
+    terminal = np.asarray([s - float(t.step_rewards.sum()) for t, s, k in zip(trajs, shaped, keep, strict=True) if k],
+                          dtype=np.float64)                                               # [K]
+    advs = from_trajectories(cfg.algo, kept, terminal)
+    turns = [turn for t in kept for turn in t.turns]
+    if grammar is None and any(t.grammar for t in turns):
+        raise ValueError("build_batch: turns carry a grammar but no GrammarBackend was given to rebuild "
+                         "their masks; pass GrammarBackend.from_pretrained(policy model path)")
+    return Batch(turns=turns, advantages=np.concatenate(advs) if advs else np.zeros(0),
+                 grammar_masks=turn_grammar_masks(turns, grammar), terminal_rewards=terminal,
+                 stats=reward_stats(trajs, shaped, keep, parl_lambdas(step, cfg.algo.parl)))
+
+
+def reward_stats(trajs: Sequence[Trajectory], shaped: np.ndarray, keep: np.ndarray,
+                 lambdas: tuple[float, float]) -> dict[str, float]:
+    """Scalars of one step's episodes: shaped reward mean/std and each component's mean over the
+    ok episodes, their numeric metrics (``episode/*``), the episodes left out of the batch, the
+    PARL lambdas."""
+    ok = [i for i, t in enumerate(trajs) if t.ok]
+    stats: dict[str, float] = {
+        "pool/skipped_episodes": float(len(trajs) - int(np.sum(keep))),   # left their group or in a short one
+        "charts/parl_lambda1": lambdas[0], "charts/parl_lambda2": lambdas[1],
+    }
+    if not ok:
+        return stats
+    r = np.asarray([shaped[i] for i in ok])
+    stats["rewards/mean"], stats["rewards/std"] = float(r.mean()), float(r.std(ddof=1)) if len(r) > 1 else 0.0
+    comps, metrics = defaultdict(list), defaultdict(list)
+    for i in ok:
+        for k, v in trajs[i].reward_components.items():
+            comps[k].append(float(v))
+        for k, v in trajs[i].metrics.items():
+            if isinstance(v, (int, float)):
+                metrics[k].append(float(v))
+    stats.update({f"rewards/{k}/mean": float(np.mean(v)) for k, v in comps.items()})
+    stats.update({f"episode/{k}": float(np.mean(v)) for k, v in metrics.items()})
+    return stats

@@ -5,6 +5,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def dist_info():
-    from aflow_rl.trainer.engine import setup_distributed
+    from aflow_rl.trainer.learner import setup_distributed
 
     return setup_distributed()

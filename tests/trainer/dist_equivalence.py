@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from aflow_rl.config import AlgoConfig, TrainerConfig  # noqa: E402
 from aflow_rl.rollout.types import Turn  # noqa: E402
 from aflow_rl.trainer.checkpoint import TrainerState, save_checkpoint  # noqa: E402
-from aflow_rl.trainer.engine import (build_engine, setup_distributed, share_from_rank0,  # noqa: E402
+from aflow_rl.trainer.learner import (build_engine, setup_distributed, share_from_rank0,  # noqa: E402
                                     teardown_distributed, train_step)
 
 

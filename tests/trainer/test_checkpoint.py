@@ -15,7 +15,7 @@ from aflow_rl.trainer.checkpoint import (CheckpointError, TrainerState, capture_
                                          list_checkpoints, load_checkpoint, manifest, prune_checkpoints,
                                          read_trainer_state, resolve_resume, restore_rng, save_checkpoint,
                                          verify_checkpoint)
-from aflow_rl.trainer.engine import build_engine, train_step
+from aflow_rl.trainer.learner import build_engine, train_step
 from aflow_rl.trainer.weights import export_hf
 
 

@@ -20,7 +20,7 @@ def test_two_ranks_match_one_rank_with_double_accumulation(dist_info, tiny_model
 
     from aflow_rl.config import AlgoConfig, TrainerConfig
     from aflow_rl.trainer.checkpoint import latest_checkpoint
-    from aflow_rl.trainer.engine import build_engine, train_step
+    from aflow_rl.trainer.learner import build_engine, train_step
 
     out = str(tmp_path / "two_ranks.pt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}

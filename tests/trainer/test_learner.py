@@ -8,7 +8,7 @@ import torch
 
 from aflow_rl.config import AlgoConfig, TrainerConfig
 from aflow_rl.rollout.types import Turn
-from aflow_rl.trainer.engine import build_ds_config, build_engine, load_reference, train_step, warmup_cosine
+from aflow_rl.trainer.learner import build_ds_config, build_engine, load_reference, train_step, warmup_cosine
 
 DESIGN_TAGS = ("losses/policy", "losses/kl", "losses/clipfrac", "losses/entropy", "losses/grad_norm",
                "charts/lr", "perf/tokens_per_s", "perf/logprob_mismatch")
@@ -172,7 +172,7 @@ def test_several_cpu_ranks_are_told_before_the_shm_op_compiles(tmp_path, monkeyp
     ranks need it; a compile of minutes gets one line first, unless torch's JIT cache has it."""
     import deepspeed.ops
 
-    from aflow_rl.trainer import engine as eng
+    from aflow_rl.trainer import learner as eng
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setitem(deepspeed.ops.__compatible_ops__, eng.SHM_OP, True)

@@ -1,4 +1,5 @@
-"""The DeepSpeed engine and one PPO train step over a rollout batch.
+"""The learner: the process group, the DeepSpeed engine and reference model, and one PPO
+train step over a rollout batch (every rank runs all of it; rank 0 shares the batch).
 
     dist = setup_distributed()                        # plain python: 1-rank group; torchrun: from env
     engine = build_engine(model_path, cfg.trainer)
@@ -24,7 +25,7 @@ import os
 import socket
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator, Sequence
 
@@ -36,7 +37,7 @@ from aflow_rl.dist import rank_world
 from aflow_rl.rollout.types import Turn
 from aflow_rl.trainer.batch import GrammarMask, make_micro_batches, sequence_logprobs
 
-log = logging.getLogger("aflow_rl.trainer.engine")
+log = logging.getLogger("aflow_rl.trainer.learner")
 
 # ppo_loss statistics averaged over micro-batches and ranks (a fixed order for the all-reduce).
 _STAT_KEYS = ("loss", "policy", "kl", "entropy", "clipfrac", "ratio", "is_weight", "logprob_mismatch")
@@ -306,7 +307,8 @@ def build_engine(model: str | torch.nn.Module, tcfg: Any, *, ds_config: dict | N
 
     def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(
-            s, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.max_steps * tcfg.ppo_epochs, min_lr_ratio=tcfg.min_lr_ratio))
+            s, warmup_steps=tcfg.warmup_steps, total_steps=tcfg.max_steps * tcfg.ppo_epochs,
+            min_lr_ratio=tcfg.min_lr_ratio))
 
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, weight_decay), config=ds_config,
@@ -377,59 +379,84 @@ def train_step(engine: Any, turns: Sequence[Turn], advantages: Sequence[float] |
         turns, advantages, micro_batch_size=engine.train_micro_batch_size_per_gpu(), grad_accum=gas,
         rank=rank, world_size=world, pad_id=pad_id, grammar_masks=grammar_masks)]
     engine.train()
-
     # One pass that is one optimizer step: the weights do not move before the last
     # micro-batch, so the grad forward's own detached logprobs are logp_old exactly.
     on_policy = ppo_epochs == 1 and len(batches) == gas
-    old_logps: list[torch.Tensor | None] = [None] * len(batches)
-    ref_logps: list[torch.Tensor | None] = [None] * len(batches)
-    with torch.no_grad():
-        for i, mb in enumerate(batches):
-            if not on_policy:
-                old_logps[i] = sequence_logprobs(engine, mb, temperature)[0]
-            if ref_model is not None:
-                ref_logps[i] = sequence_logprobs(ref_model, mb, temperature)[0]
-
-    sums: dict[str, float] = defaultdict(float)
-    counted = 0
-    grad_norms: list[float] = []
-    lrs: list[float] = []
+    old_logps, ref_logps = _fixed_logprobs(engine, batches, temperature, ref_model, need_old=not on_policy)
+    tally = _Tally()
     for _ in range(ppo_epochs):
         for i, mb in enumerate(batches):
             # The optimizer-step boundary follows this batch, not DeepSpeed's running micro-step
             # counter: train.py resizes the accumulation to each rollout batch, and a counter
             # carried over from earlier batches would step mid-batch (the rest of the batch then
             # trains on moved weights, and its gradients leak into the next batch).
-            engine.set_gradient_accumulation_boundary((i + 1) % gas == 0)
-            logp, entropy = sequence_logprobs(engine, mb, temperature, entropy_grad=algo.entropy_coef != 0)
-            old_logp = logp.detach() if on_policy else old_logps[i]
-            is_weight = (truncated_is_weight(old_logp, mb.server_logprobs, algo.importance_cap)
-                         if algo.importance_cap > 0 else None)
-            loss, stats = ppo_loss(
-                logp, old_logp, mb.advantages, mb.response_mask,
-                clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
-                ref_logp=ref_logps[i], kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
-                entropy=entropy, entropy_coef=algo.entropy_coef, is_weight=is_weight,
-                server_logp=mb.server_logprobs)
-            engine.backward(loss)
-            boundary = engine.is_gradient_accumulation_boundary()
-            own_norm = None
-            if boundary:
-                lrs.append(float(engine.get_lr()[0]))
-                if engine.zero_optimization_stage() == 0:
-                    own_norm = _local_grad_norm(engine)
-            engine.step()
-            if boundary:
-                norm = engine.get_global_grad_norm()
-                grad_norms.append(float(norm) if norm is not None else float(own_norm or 0.0))
-            if mb.num_response_tokens > 0:   # stand-in micro-batches carry no statistics
-                counted += 1
-                for k, v in stats.items():
-                    sums[k] += v
+            _micro_step(engine, mb, (i + 1) % gas == 0, algo, temperature, old_logps[i], ref_logps[i], tally)
+    return _reduced_stats(engine, tally, batches, ppo_epochs, world, t0)
 
+
+def _fixed_logprobs(engine: Any, batches: list, temperature: float, ref_model: Any, *, need_old: bool
+                    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Before any update, without grad: per micro-batch ``logp_old`` (unless ``need_old`` is
+    False: the pass is on-policy) and the reference model's logprobs (when there is one)."""
+    old_logps: list[torch.Tensor | None] = [None] * len(batches)
+    ref_logps: list[torch.Tensor | None] = [None] * len(batches)
+    with torch.no_grad():
+        for i, mb in enumerate(batches):
+            if need_old:
+                old_logps[i] = sequence_logprobs(engine, mb, temperature)[0]
+            if ref_model is not None:
+                ref_logps[i] = sequence_logprobs(ref_model, mb, temperature)[0]
+    return old_logps, ref_logps
+
+
+@dataclass
+class _Tally:
+    """This rank's running sums over a train step's micro-batches."""
+
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    counted: int = 0                                     # micro-batches with response tokens
+    grad_norms: list[float] = field(default_factory=list)   # one per optimizer step
+    lrs: list[float] = field(default_factory=list)
+
+
+def _micro_step(engine: Any, mb: Any, boundary: bool, algo: Any, temperature: float,
+                old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None, tally: _Tally) -> None:
+    """Forward, :func:`ppo_loss`, backward and ``engine.step`` of one micro-batch; the optimizer
+    steps when ``boundary``. ``old_logp`` None: on-policy, the forward's own detached logprobs."""
+    engine.set_gradient_accumulation_boundary(boundary)
+    logp, entropy = sequence_logprobs(engine, mb, temperature, entropy_grad=algo.entropy_coef != 0)
+    old_logp = logp.detach() if old_logp is None else old_logp
+    is_weight = (truncated_is_weight(old_logp, mb.server_logprobs, algo.importance_cap)
+                 if algo.importance_cap > 0 else None)
+    loss, stats = ppo_loss(
+        logp, old_logp, mb.advantages, mb.response_mask,
+        clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
+        ref_logp=ref_logp, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+        entropy=entropy, entropy_coef=algo.entropy_coef, is_weight=is_weight,
+        server_logp=mb.server_logprobs)
+    engine.backward(loss)
+    stepping = engine.is_gradient_accumulation_boundary()
+    own_norm = None
+    if stepping:
+        tally.lrs.append(float(engine.get_lr()[0]))
+        if engine.zero_optimization_stage() == 0:
+            own_norm = _local_grad_norm(engine)
+    engine.step()
+    if stepping:
+        norm = engine.get_global_grad_norm()
+        tally.grad_norms.append(float(norm) if norm is not None else float(own_norm or 0.0))
+    if mb.num_response_tokens > 0:   # stand-in micro-batches carry no statistics
+        tally.counted += 1
+        for k, v in stats.items():
+            tally.sums[k] += v
+
+
+def _reduced_stats(engine: Any, tally: _Tally, batches: list, ppo_epochs: int, world: int,
+                   t0: float) -> dict[str, float]:
+    """The step's statistics averaged over micro-batches and ranks, under the metric tags."""
     tokens = sum(mb.num_tokens for mb in batches if mb.num_response_tokens > 0) * ppo_epochs
     keys = _STAT_KEYS
-    local = torch.tensor([sums[k] for k in keys] + [float(counted), float(tokens)],
+    local = torch.tensor([tally.sums[k] for k in keys] + [float(tally.counted), float(tokens)],
                          dtype=torch.float64, device=engine.device)
     if world > 1:
         torch.distributed.all_reduce(local)
@@ -445,9 +472,9 @@ def train_step(engine: Any, turns: Sequence[Turn], advantages: Sequence[float] |
         "losses/entropy": mean["entropy"],
         "losses/ratio": mean["ratio"],
         "losses/is_weight": mean["is_weight"],
-        "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-        "charts/lr": lrs[-1] if lrs else float(engine.get_lr()[0]),
-        "charts/optimizer_steps": float(len(grad_norms)),
+        "losses/grad_norm": float(np.mean(tally.grad_norms)) if tally.grad_norms else 0.0,
+        "charts/lr": tally.lrs[-1] if tally.lrs else float(engine.get_lr()[0]),
+        "charts/optimizer_steps": float(len(tally.grad_norms)),
         "perf/logprob_mismatch": mean["logprob_mismatch"],
         "perf/tokens_per_s": total[len(keys) + 1] / max(elapsed, 1e-9),
         "timing/train_s": elapsed,
