@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -46,6 +47,7 @@ CLIENTS = ("shipped", "raw", "aiohttp", "httpx", "httpx2")
 # -- the workload: one quickstart turn ------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
 def _schema() -> str:
     """A JSON-schema grammar the size of a quickstart turn's (an action union over items and subagents)."""
     items = [f"item_{i}" for i in range(4)]

@@ -18,10 +18,8 @@ import json
 import time
 from typing import Any
 
-import httpx
-
 from aflow_rl.llm.base import Completion, FinishReason, LLMError
-from aflow_rl.llm.http import Balance, HTTPTransport
+from aflow_rl.llm.http import Balance, HTTPResponse, HTTPTransport
 from aflow_rl.llm.openai_compat import chat_completion
 
 # Keywords of generate() that belong to the request, not to sampling_params.
@@ -75,12 +73,10 @@ class SGLangClient:
 
     def __init__(self, urls: list[str] | str, *, timeout_s: float = 120.0, max_retries: int = 3,
                  backoff_s: float = 0.5, max_concurrency: int = 64, api_key: str | None = None,
-                 model: str = "", balance: Balance = "least_in_flight",
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 model: str = "", balance: Balance = "least_in_flight") -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = HTTPTransport(urls, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
-                                  max_concurrency=max_concurrency, headers=headers, balance=balance,
-                                  transport=transport)
+                                  max_concurrency=max_concurrency, headers=headers, balance=balance)
         self.model = model or "default"  # the name SGLang's /v1 routes accept for the served model
 
     @property
@@ -107,7 +103,7 @@ class SGLangClient:
             sampling["json_schema"] = schema_to_str(sampling["json_schema"])
         payload["sampling_params"] = {k: v for k, v in sampling.items() if v is not None}
         if input_ids is not None:
-            payload["input_ids"] = [int(t) for t in input_ids]
+            payload["input_ids"] = list(map(int, input_ids))  # numpy/torch ints -> int
         else:
             payload["text"] = prompt
         return payload
@@ -137,7 +133,7 @@ class SGLangClient:
     # -- admin (every server of the role) -----------------------------------------
 
     async def _on_all(self, method: str, path: str, payload: Any = None,
-                      timeout_s: float | None = None) -> list[httpx.Response]:
+                      timeout_s: float | None = None) -> list[HTTPResponse]:
         return list(await asyncio.gather(*(
             self.http.request(method, path, json=payload, url=u, timeout_s=timeout_s) for u in self.urls)))
 
@@ -183,7 +179,7 @@ class SGLangClient:
         await self.http.aclose()
 
 
-def _json_or_text(resp: httpx.Response) -> Any:
+def _json_or_text(resp: HTTPResponse) -> Any:
     try:
         return resp.json()
     except ValueError:
