@@ -129,6 +129,7 @@ class _Endpoint:
     in_flight: int = 0       # requests queued for or holding a slot of this endpoint
     sent: int = 0            # requests sent, for tests and stats
     failures: int = 0
+    down: bool = False       # out of rotation (a weight sync could not reach it): see mark_down
 
 
 @dataclass(eq=False)
@@ -236,6 +237,16 @@ class HTTPTransport:
     def urls(self) -> list[str]:
         return [e.url for e in self.endpoints]
 
+    @property
+    def live_urls(self) -> list[str]:
+        """The endpoints in rotation: all but those marked down."""
+        return [e.url for e in self.endpoints if not e.down]
+
+    def mark_down(self, url: str, down: bool = True) -> None:
+        """Take ``url`` out of the balancer's rotation (or put it back). While every endpoint
+        is down the balancer uses them all: failing loudly beats having nowhere to send."""
+        self._endpoint(url).down = down
+
     # -- loop-bound state ---------------------------------------------------
 
     def _loop_state(self) -> _LoopState:
@@ -276,7 +287,8 @@ class HTTPTransport:
     # -- endpoint choice ------------------------------------------------------
 
     def _pick(self, avoid: str | None) -> _Endpoint:
-        candidates = [e for e in self.endpoints if e.url != avoid] or self.endpoints
+        pool = [e for e in self.endpoints if not e.down] or self.endpoints
+        candidates = [e for e in pool if e.url != avoid] or pool
         start = next(self._rr)
         if self.balance == "round_robin":
             return candidates[start % len(candidates)]
