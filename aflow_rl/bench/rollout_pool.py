@@ -218,12 +218,31 @@ def make_client(kind: str, url: str) -> Any:
     if kind == "aiohttp":
         import aiohttp
 
-        return aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0))
+        session = aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0))
+        asyncio.get_running_loop().create_task(_close_at_shutdown(session))
+        return session
     if kind in ("httpx", "httpx2"):
         lib = __import__(kind)
         limits = lib.Limits(max_connections=None, max_keepalive_connections=None)
         return lib.AsyncClient(base_url=url, limits=limits, timeout=60.0, trust_env=False)
     raise ValueError(f"--clients: unknown client {kind!r}; expected one of {', '.join(CLIENTS)}")
+
+
+_CLOSERS: list = []
+
+
+async def _close_at_shutdown(session: Any) -> None:
+    """Close a bare aiohttp session when asyncio.run shuts the worker's loop down (its async
+    generators are finalised then), so the worker does not log "Unclosed client session"."""
+    async def closer():
+        try:
+            yield
+        finally:
+            await session.close()
+
+    agen = closer()
+    _CLOSERS.append(agen)  # the loop holds its async generators weakly
+    await agen.__anext__()
 
 
 async def one_request(client: Any, kind: str, ids: list[int]) -> int:
