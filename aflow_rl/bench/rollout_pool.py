@@ -268,7 +268,9 @@ async def run_episode(task: dict, ctx: WorkerContext) -> Trajectory:
     client = ctx.state.get(kind)
     if client is None:  # made on first use, inside the worker's event loop
         client = ctx.state[kind] = make_client(kind, ctx.urls["endpoint"][0])
-    ids = ctx.state.setdefault("ids", request_ids(os.getpid()))
+    ids = ctx.state.get("ids")
+    if ids is None:  # once per worker: the prompt is workload, not client work
+        ids = ctx.state["ids"] = request_ids(os.getpid())
     t0 = time.perf_counter()
     for _ in range(task["requests"]):
         if await one_request(client, kind, ids) != 48:
