@@ -22,6 +22,8 @@ setup(
         "pyyaml>=6.0",
         "tensorboard>=2.14",
         "httpx>=0.27",
+        "aiohttp>=3.9",  # aflow_rl/llm/http.py: the clients' transport (chosen by measurement, docs/benchmarks.md)
+        "orjson>=3.8",  # aflow_rl/llm/http.py: request and reply bodies (6-8x the json module)
         "fastapi>=0.110",
         "uvicorn>=0.29",
         "xgrammar>=0.1.10",

@@ -1,51 +1,87 @@
-"""Rollout pool throughput against an HTTP endpoint of fixed latency.
+"""Rollout pool + shipped client throughput against an HTTP endpoint of fixed latency.
 
-    python -m aflow_rl.bench.rollout_pool [--json OUT] [--latency 0.2] [--requests 1] [--workers 2]
-                                          [--client raw|httpx] [--server raw|uvicorn]
+    python -m aflow_rl.bench.rollout_pool [--json OUT] [--latency 0.2] [--requests 1]
+        [--plan 64:2 256:2 1024:4] [--clients shipped raw] [--repeats 2] [--server raw|uvicorn]
 
 Starts a local HTTP server (its own process) that answers every ``POST
-/generate`` after ``--latency`` seconds, then runs episodes that each make
-``--requests`` sequential requests to it, through a loky RolloutPool of
-``--workers`` processes, at each ``--concurrency`` (episodes in flight in all).
-An episode then takes ``requests x latency`` at best, so the ideal rate is
-``concurrency / (requests x latency)`` episodes/s; the table gives the
-measured rate as a percentage of it, and the pool's start-up time (spawn,
-import, init_worker). "direct_asyncio" runs the same episodes with asyncio in
-this process, no pool: what this client and server reach on this machine.
-With ``ray`` installed the same episodes also run on Ray async actors.
+/generate`` after ``--latency`` seconds with a reply in SGLang's shape (48
+output ids with their logprobs). Episodes each make ``--requests`` sequential
+requests carrying a quickstart-sized ``/generate`` body (a few hundred input
+ids and a JSON-schema grammar), through a loky RolloutPool, at each
+``concurrency:workers`` of ``--plan``. An episode takes ``requests x latency``
+at best, so the ideal rate is ``concurrency / (requests x latency)``.
 
-Why a bare asyncio client and server by default: the pool is what is
-measured, and on a small machine the endpoint and the HTTP client share its
-cores. A real inference server runs elsewhere; httpx's connection pool does
-per-request work that grows with the number of open connections (see
-``--client httpx``), and uvicorn without httptools parses HTTP in pure
-Python (``--server uvicorn``).
+Clients (``--clients``), measured in the same pool, interleaved A B A B:
+
+- ``shipped``: ``SGLangClient.generate`` -> ``HTTPTransport``, exactly what
+  training runs (payload building, balancing, deadlines, reply parsing);
+- ``raw``: a bare keep-alive asyncio-streams client, the reference row: what
+  the pool and this machine reach with almost no client work;
+- ``aiohttp``, ``httpx``, ``httpx2``: the bare libraries, to choose the
+  transport's library by measurement.
+
+Each row gives % of ideal, episode latency p50/p95, the workers' CPU per
+episode (process CPU time over the row / episodes) and the 1-minute load
+average when the row started.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
+import functools
 import json
 import multiprocessing
 import os
+import random
 import socket
 import statistics
 import sys
 import time
 from typing import Any
 
-import httpx
-
 from aflow_rl.bench import machine as bench_machine
 from aflow_rl.rollout.types import Trajectory, WorkerContext
+
+CLIENTS = ("shipped", "raw", "aiohttp", "httpx", "httpx2")
+
+# -- the workload: one quickstart turn ------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> str:
+    """A JSON-schema grammar the size of a quickstart turn's (an action union over items and subagents)."""
+    items = [f"item_{i}" for i in range(4)]
+    agents = ["researcher", "coder", "analyst", "writer"]
+    variants = [{"type": "object", "properties": {"action": {"const": a}, "item": {"enum": items},
+                                                  "subagent": {"enum": agents}, "note": {"type": "string",
+                                                                                         "maxLength": 40}},
+                 "required": ["action", "item"], "additionalProperties": False}
+                for a in ("plan", "delegate", "retry", "answer")]
+    return json.dumps({"anyOf": variants})
+
+
+def generate_sampling() -> dict:
+    return {"max_new_tokens": 48, "temperature": 1.0, "json_schema": _schema()}
+
+
+def request_ids(seed: int, n: int = 400) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(512) for _ in range(n)]
+
+
+def _reply_body() -> bytes:
+    """A /generate reply in SGLang's shape: 48 output ids with their logprob rows."""
+    ids = list(range(100, 148))
+    meta = {"id": "bench", "finish_reason": {"type": "stop"}, "prompt_tokens": 400, "completion_tokens": 48,
+            "weight_version": "0", "output_token_logprobs": [[-0.6931, t, None] for t in ids]}
+    return json.dumps({"text": "x" * 120, "output_ids": ids, "meta_info": meta}).encode()
+
 
 # -- the endpoint -------------------------------------------------------------------------------------
 
 
-def _endpoint_app(latency_s: float) -> Any:
+def _endpoint_app(latency_s: float, body: bytes) -> Any:
     """A bare ASGI app: every request except /health answers after ``latency_s``."""
-    body = b'{"text": "ok"}'
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
@@ -61,14 +97,15 @@ def _endpoint_app(latency_s: float) -> Any:
     return app
 
 
-_RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 14\r\n\r\n{\"text\": \"ok\"}"
+def _response(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
 
 
 class _LatencyProtocol(asyncio.Protocol):
     """HTTP/1.1 keep-alive server side of one connection: each request is answered after the latency."""
 
-    def __init__(self, latency_s: float):
-        self.latency_s, self.buf, self.transport = latency_s, b"", None
+    def __init__(self, latency_s: float, response: bytes):
+        self.latency_s, self.response, self.buf, self.transport = latency_s, response, b"", None
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -87,7 +124,7 @@ class _LatencyProtocol(asyncio.Protocol):
 
     def _reply(self) -> None:
         if not self.transport.is_closing():
-            self.transport.write(_RESPONSE)
+            self.transport.write(self.response)
 
 
 def _content_length(head: bytes) -> int:
@@ -99,19 +136,30 @@ def _content_length(head: bytes) -> int:
 
 
 def _serve(port: int, latency_s: float, server: str) -> None:
+    body = _reply_body()
     if server == "uvicorn":
         import uvicorn
 
-        uvicorn.run(_endpoint_app(latency_s), host="127.0.0.1", port=port, log_level="warning",
+        uvicorn.run(_endpoint_app(latency_s, body), host="127.0.0.1", port=port, log_level="warning",
                     access_log=False, lifespan="off", backlog=4096)
         return
 
     async def main() -> None:
+        response = _response(body)
         srv = await asyncio.get_running_loop().create_server(
-            lambda: _LatencyProtocol(latency_s), "127.0.0.1", port, backlog=4096)
+            lambda: _LatencyProtocol(latency_s, response), "127.0.0.1", port, backlog=4096)
         await srv.serve_forever()
 
     asyncio.run(main())
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=1) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            return s.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
 
 
 def start_endpoint(latency_s: float, server: str = "raw") -> tuple[str, multiprocessing.Process]:
@@ -124,11 +172,9 @@ def start_endpoint(latency_s: float, server: str = "raw") -> tuple[str, multipro
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return url, proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
+        if _healthy(url):
+            return url, proc
+        time.sleep(0.1)
     proc.kill()
     raise RuntimeError("the benchmark endpoint did not start within 30 s")
 
@@ -160,41 +206,114 @@ class RawClient:
             writer.close()
 
 
-def _client(base_url: str, kind: str) -> Any:
+def make_client(kind: str, url: str) -> Any:
+    """One client of ``kind`` for this event loop; none has a connection limit of its own."""
+    if kind == "shipped":
+        from aflow_rl.llm.sglang import SGLangClient
+
+        # max_concurrency: the pool, not the client, sets how many requests are in flight.
+        return SGLangClient([url], timeout_s=60.0, max_concurrency=4096)
     if kind == "raw":
-        return RawClient(base_url)
-    # No pool limit: the benchmark sets concurrency through the rollout pool, not through httpx.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(base_url=base_url, limits=limits, timeout=60.0)
+        return RawClient(url)
+    if kind == "aiohttp":
+        import aiohttp
+
+        session = aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0))
+        asyncio.get_running_loop().create_task(_close_at_shutdown(session))
+        return session
+    if kind in ("httpx", "httpx2"):
+        lib = __import__(kind)
+        limits = lib.Limits(max_connections=None, max_keepalive_connections=None)
+        return lib.AsyncClient(base_url=url, limits=limits, timeout=60.0, trust_env=False)
+    raise ValueError(f"--clients: unknown client {kind!r}; expected one of {', '.join(CLIENTS)}")
 
 
-async def _episode_requests(client: Any, episode_id: str, n: int) -> float:
-    t0 = time.perf_counter()
-    for turn in range(n):
-        body = json.dumps({"episode": episode_id, "turn": turn}).encode()
-        if isinstance(client, RawClient):
-            await client.post("/generate", body)
-        else:
-            resp = await client.post("/generate", content=body, headers={"content-type": "application/json"})
+_CLOSERS: list = []
+
+
+async def _close_at_shutdown(session: Any) -> None:
+    """Close a bare aiohttp session when asyncio.run shuts the worker's loop down (its async
+    generators are finalised then), so the worker does not log "Unclosed client session"."""
+    async def closer():
+        try:
+            yield
+        finally:
+            await session.close()
+
+    agen = closer()
+    _CLOSERS.append(agen)  # the loop holds its async generators weakly
+    await agen.__anext__()
+
+
+async def one_request(client: Any, kind: str, ids: list[int]) -> int:
+    """Send one /generate; return the number of output ids (every client decodes the reply)."""
+    if kind == "shipped":
+        comp = await client.generate(input_ids=ids, return_logprob=True, **generate_sampling())
+        return len(comp.output_ids)
+    body = {"input_ids": ids, "return_logprob": True, "sampling_params": generate_sampling()}
+    if kind == "raw":
+        return len(json.loads(await client.post("/generate", json.dumps(body).encode()))["output_ids"])
+    if kind == "aiohttp":
+        async with client.post("/generate", json=body) as resp:
             resp.raise_for_status()
-    return time.perf_counter() - t0
+            return len(json.loads(await resp.read())["output_ids"])
+    resp = await client.post("/generate", json=body)
+    resp.raise_for_status()
+    return len(resp.json()["output_ids"])
 
 
 async def run_episode(task: dict, ctx: WorkerContext) -> Trajectory:
-    """One benchmark episode: ``task["requests"]`` sequential POSTs to the endpoint."""
-    client = ctx.state.get("http")
+    """One benchmark episode: ``task["requests"]`` sequential /generate calls with ``task["client"]``."""
+    kind = task["client"]
+    client = ctx.state.get(kind)
     if client is None:  # made on first use, inside the worker's event loop
-        client = ctx.state["http"] = _client(ctx.urls["endpoint"][0], task["client"])
-    latency = await _episode_requests(client, task["episode_id"], task["requests"])
+        client = ctx.state[kind] = make_client(kind, ctx.urls["endpoint"][0])
+    ids = ctx.state.get("ids")
+    if ids is None:  # once per worker: the prompt is workload, not client work
+        ids = ctx.state["ids"] = request_ids(os.getpid())
+    t0 = time.perf_counter()
+    for _ in range(task["requests"]):
+        if await one_request(client, kind, ids) != 48:
+            raise RuntimeError("the endpoint's reply lost output ids")
     return Trajectory(episode_id=task["episode_id"], group_id=task["group_id"], final_reward=1.0,
-                      metrics={"latency_s": latency})
+                      metrics={"latency_s": time.perf_counter() - t0, "cpu_s": time.process_time(),
+                               "pid": float(os.getpid())})
 
 
-# -- runners ------------------------------------------------------------------------------------------
+# -- runner -------------------------------------------------------------------------------------------
 
 
-def bench_pool(url: str, concurrency: int, n: int, requests: int, workers: int, client: str) -> dict:
-    """Episodes/s of a loky RolloutPool with ``concurrency`` episodes in flight over ``workers`` processes."""
+def _last_cpu(trajs: list[Trajectory]) -> dict[float, float]:
+    """pid -> the highest process CPU time any episode of that worker reported."""
+    out: dict[float, float] = {}
+    for t in trajs:
+        pid = t.metrics["pid"]
+        out[pid] = max(out.get(pid, 0.0), t.metrics["cpu_s"])
+    return out
+
+
+def _run(pool: Any, kind: str, count: int, requests: int) -> list[Trajectory]:
+    out = list(pool.run([{"requests": requests, "client": kind} for _ in range(count)]))
+    bad = [t.error for t in out if not t.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} {kind} episodes failed; first: {bad[0][-500:]}")
+    return out
+
+
+def bench_row(pool: Any, kind: str, concurrency: int, n: int, requests: int) -> dict:
+    """One measured run of ``n`` episodes after one warm-up wave (which opens the connections)."""
+    before = _last_cpu(_run(pool, kind, concurrency, requests))
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    out = _run(pool, kind, n, requests)
+    wall = time.perf_counter() - t0
+    after = _last_cpu(out)
+    cpu = sum(after[p] - before.get(p, after[p]) for p in after)
+    return {"wall_s": wall, "latencies": [t.metrics["latency_s"] for t in out], "cpu_s": cpu, "load": load}
+
+
+def bench_plan(url: str, concurrency: int, workers: int, args: argparse.Namespace) -> list[dict]:
+    """Every client at one concurrency, in one pool, interleaved A B A B."""
     from aflow_rl.config import RolloutConfig
     from aflow_rl.rollout.pool import RolloutPool
 
@@ -202,84 +321,61 @@ def bench_pool(url: str, concurrency: int, n: int, requests: int, workers: int, 
                         concurrency_per_worker=max(1, concurrency // workers), episode_timeout_s=120.0,
                         max_attempts=1, trace=False)
     ctx = WorkerContext(config=None, urls={"endpoint": [url]})
-    t0 = time.perf_counter()
+    n = concurrency * args.waves
+    ideal = concurrency / (args.requests * args.latency)
+    rows = []
     with RolloutPool(cfg, ctx, env="aflow_rl.bench.rollout_pool") as pool:
-        startup = time.perf_counter() - t0
-        task = {"requests": requests, "client": client}
-        warm = list(pool.run([dict(task) for _ in range(concurrency)]))  # opens the connections
-        t0 = time.perf_counter()
-        out = list(pool.run([dict(task) for _ in range(n)]))
-        wall = time.perf_counter() - t0
-    bad = [t.error for t in out + warm if not t.ok]
-    if bad:
-        raise RuntimeError(f"{len(bad)} benchmark episodes failed; first: {bad[0][-500:]}")
-    return {"wall_s": wall, "startup_s": startup, "latencies": [t.metrics["latency_s"] for t in out]}
-
-
-def bench_direct(url: str, concurrency: int, n: int, requests: int, client: str) -> dict:
-    """The same episodes with asyncio in this process: no pool, one process."""
-
-    async def main() -> dict:
-        gate = asyncio.Semaphore(concurrency)
-        http = _client(url, client)
-
-        async def one(i: int) -> float:
-            async with gate:
-                return await _episode_requests(http, f"d{i}", requests)
-
-        await asyncio.gather(*(one(i) for i in range(concurrency)))  # warm-up
-        t0 = time.perf_counter()
-        latencies = await asyncio.gather(*(one(i) for i in range(n)))
-        wall = time.perf_counter() - t0
-        await http.aclose()
-        return {"wall_s": wall, "startup_s": 0.0, "latencies": list(latencies)}
-
-    return asyncio.run(main())
-
-
-def bench_ray(url: str, concurrency: int, n: int, requests: int, workers: int, client: str) -> dict:
-    """The same episodes on ``workers`` Ray async actors, each with ``concurrency / workers`` in flight."""
-    import ray
-
-    t0 = time.perf_counter()
-    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-
-    @ray.remote
-    class Runner:
-        async def episode(self, i: int) -> float:
-            if not hasattr(self, "client"):
-                self.client = _client(url, client)
-            return await _episode_requests(self.client, f"r{i}", requests)
-
-    actors = [Runner.options(max_concurrency=max(1, concurrency // workers)).remote() for _ in range(workers)]
-    ray.get([a.episode.remote(-1) for a in actors])
-    startup = time.perf_counter() - t0
-    ray.get([actors[i % workers].episode.remote(i) for i in range(concurrency)])  # warm-up
-    t0 = time.perf_counter()
-    latencies = ray.get([actors[i % workers].episode.remote(i) for i in range(n)])
-    wall = time.perf_counter() - t0
-    ray.shutdown()
-    return {"wall_s": wall, "startup_s": startup, "latencies": latencies}
+        for rep in range(args.repeats):
+            for kind in args.clients:
+                res = bench_row(pool, kind, concurrency, n, args.requests)
+                rows.append(_row(kind, rep + 1, concurrency, workers, n, res, ideal))
+                print(_fmt(rows[-1]), flush=True)
+    return rows
 
 
 # -- report -------------------------------------------------------------------------------------------
 
+COLS = ["client", "rep", "concurrency", "workers", "episodes", "episodes_per_s", "ideal_per_s", "pct_of_ideal",
+        "latency_p50_s", "latency_p95_s", "worker_cpu_ms_per_episode", "load_1m"]
+
 
 def machine() -> dict:
-    """What the numbers were measured on (plus the pool's own dependencies and the load)."""
-    import joblib
+    """What the numbers were measured on (plus the client libraries' versions)."""
+    import importlib.metadata as md
 
-    return bench_machine(joblib=joblib.__version__, httpx=httpx.__version__,
-                         load_avg_1m_at_start=round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None)
+    versions = {}
+    for dist in ("joblib", "aiohttp", "httpx", "httpx2"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            versions[dist] = "absent"
+    return bench_machine(**versions, load_avg_1m_at_start=round(os.getloadavg()[0], 2))
 
 
-def _row(name: str, concurrency: int, n: int, res: dict, ideal: float) -> dict:
+def _row(kind: str, rep: int, concurrency: int, workers: int, n: int, res: dict, ideal: float) -> dict:
     eps = n / res["wall_s"]
     lat = sorted(res["latencies"])
-    return {"runner": name, "concurrency": concurrency, "episodes": n, "wall_s": round(res["wall_s"], 3),
-            "episodes_per_s": round(eps, 1), "ideal_per_s": round(ideal, 1), "pct_of_ideal": round(100 * eps / ideal, 1),
-            "startup_s": round(res["startup_s"], 3), "episode_latency_p50_s": round(statistics.median(lat), 4),
-            "episode_latency_p95_s": round(lat[int(0.95 * (len(lat) - 1))], 4)}
+    return {"client": kind, "rep": rep, "concurrency": concurrency, "workers": workers, "episodes": n,
+            "wall_s": round(res["wall_s"], 3), "episodes_per_s": round(eps, 1), "ideal_per_s": round(ideal, 1),
+            "pct_of_ideal": round(100 * eps / ideal, 1), "latency_p50_s": round(statistics.median(lat), 4),
+            "latency_p95_s": round(lat[int(0.95 * (len(lat) - 1))], 4),
+            "worker_cpu_ms_per_episode": round(1000 * res["cpu_s"] / n, 3), "load_1m": round(res["load"], 2)}
+
+
+def _fmt(row: dict) -> str:
+    return " | ".join(str(row[c]) for c in COLS)
+
+
+def parse_plan(items: list[str]) -> list[tuple[int, int]]:
+    """``["64:2", "1024:4"]`` -> ``[(64, 2), (1024, 4)]`` (concurrent episodes : worker processes)."""
+    plan = []
+    for item in items:
+        conc, _, workers = item.partition(":")
+        try:
+            plan.append((int(conc), int(workers or 2)))
+        except ValueError:
+            raise SystemExit(f"--plan: {item!r} is not CONCURRENCY:WORKERS (e.g. 256:2)") from None
+    return plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,44 +383,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--latency", type=float, default=0.2, help="endpoint latency per request, seconds")
     ap.add_argument("--requests", type=int, default=1, help="sequential requests per episode")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256], help="episodes in flight")
-    ap.add_argument("--waves", type=int, default=20, help="episodes per run = waves x concurrency")
-    ap.add_argument("--client", choices=["raw", "httpx"], default="raw", help="HTTP client inside episodes")
+    ap.add_argument("--plan", nargs="+", default=["64:2", "256:2", "1024:4"],
+                    help="CONCURRENCY:WORKERS pairs (episodes in flight in all : worker processes)")
+    ap.add_argument("--clients", nargs="+", choices=CLIENTS, default=["shipped", "raw"],
+                    help="clients to compare; each runs in the same pool, interleaved")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds (A B A B)")
+    ap.add_argument("--waves", type=int, default=20, help="episodes per row = waves x concurrency")
     ap.add_argument("--server", choices=["raw", "uvicorn"], default="raw", help="the fixed-latency endpoint")
-    ap.add_argument("--no-direct", action="store_true", help="skip the no-pool asyncio baseline")
     args = ap.parse_args(argv)
+    plan = parse_plan(args.plan)
 
     info = machine()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
-    print(f"endpoint: {args.server} server on 127.0.0.1, {args.latency:g} s per request, {args.requests} request(s) "
-          f"per episode, {args.client} client; pool: loky, {args.workers} worker processes")
+    print(f"endpoint: {args.server} server on 127.0.0.1, {args.latency:g} s per request, {args.requests} "
+          f"request(s) per episode; pool: loky; clients: {', '.join(args.clients)}")
+    print(" | ".join(COLS))
     url, server = start_endpoint(args.latency, args.server)
-    have_ray = importlib.util.find_spec("ray") is not None
-    rows = []
+    rows: list[dict] = []
     try:
-        for conc in args.concurrency:
-            n = conc * args.waves
-            ideal = conc / (args.requests * args.latency)
-            rows.append(_row("rollout_pool", conc, n,
-                             bench_pool(url, conc, n, args.requests, args.workers, args.client), ideal))
-            if not args.no_direct:
-                rows.append(_row("direct_asyncio", conc, n, bench_direct(url, conc, n, args.requests, args.client), ideal))
-            if have_ray:
-                rows.append(_row("ray_actors", conc, n,
-                                 bench_ray(url, conc, n, args.requests, args.workers, args.client), ideal))
+        for conc, workers in plan:
+            rows += bench_plan(url, conc, workers, args)
     finally:
         server.kill()
-    cols = ["runner", "concurrency", "episodes", "wall_s", "episodes_per_s", "ideal_per_s", "pct_of_ideal",
-            "startup_s", "episode_latency_p50_s", "episode_latency_p95_s"]
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
-    if not have_ray:
-        print("ray: not installed, Ray actor comparison skipped (pip install ray to add it)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": info, "args": vars(args), "ray": have_ray, "results": rows}, fh, indent=2)
+            json.dump({"machine": info, "args": vars(args), "results": rows}, fh, indent=2)
         print(f"wrote {args.json}")
     return 0
 

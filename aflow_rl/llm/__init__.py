@@ -18,8 +18,6 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit
 
-import httpx
-
 from aflow_rl.config import ClientConfig, ConfigError
 from aflow_rl.llm.anthropic import DEFAULT_URL as ANTHROPIC_URL
 from aflow_rl.llm.anthropic import AnthropicClient
@@ -59,13 +57,12 @@ def resolve_api_key(cfg: ClientConfig, urls: list[str], key: str = "llm.<role>")
     return None
 
 
-def make_client(cfg: ClientConfig, urls: list[str], *, role: str = "",
-                transport: httpx.AsyncBaseTransport | None = None) -> LLMClient:
+def make_client(cfg: ClientConfig, urls: list[str], *, role: str = "") -> LLMClient:
     """Build the client for one role.
 
     ``urls`` are the role's server URLs (``ServerManager.urls(role)``);
     ``cfg.base_url``, when set, replaces them. ``role`` only names config keys
-    in error messages; ``transport`` lets tests swap the network out.
+    in error messages.
     """
     key = f"llm.{role}" if role else "llm.<role>"
     endpoints = [cfg.base_url] if cfg.base_url else list(urls)
@@ -81,7 +78,7 @@ def make_client(cfg: ClientConfig, urls: list[str], *, role: str = "",
         endpoints = [_strip_v1(u) for u in endpoints]
     api_key = resolve_api_key(cfg, endpoints, key)
     common = dict(timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
-                  max_concurrency=cfg.max_concurrency, transport=transport)
+                  max_concurrency=cfg.max_concurrency)
     if cfg.provider == "sglang":
         return SGLangClient(endpoints, api_key=api_key, model=cfg.model, balance=cfg.balance, **common)
     if cfg.provider == "openai":

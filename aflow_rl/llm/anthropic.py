@@ -1,4 +1,4 @@
-"""Anthropic Messages API client over httpx (no SDK needed).
+"""Anthropic Messages API client over the shared aiohttp transport (no SDK needed).
 
 ``POST /v1/messages`` with ``x-api-key`` and ``anthropic-version`` headers.
 OpenAI-style messages are converted: system messages are split out into the
@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import time
 from typing import Any
-
-import httpx
 
 from aflow_rl.llm.base import Completion, FinishReason, LLMError
 from aflow_rl.llm.http import HTTPTransport
@@ -60,16 +58,14 @@ class AnthropicClient:
 
     def __init__(self, urls: list[str] | str | None = None, *, model: str, api_key: str,
                  timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 max_concurrency: int = 64, api_version: str = API_VERSION,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 max_concurrency: int = 64, api_version: str = API_VERSION) -> None:
         if not api_key:
             raise ValueError("anthropic: an API key is required")
         if not model:
             raise ValueError("anthropic: a model name is required (e.g. llm.actor.model=claude-sonnet-4-5)")
         headers = {"x-api-key": api_key, "anthropic-version": api_version}
         self.http = HTTPTransport(urls or [DEFAULT_URL], timeout_s=timeout_s, max_retries=max_retries,
-                                  backoff_s=backoff_s, max_concurrency=max_concurrency, headers=headers,
-                                  transport=transport)
+                                  backoff_s=backoff_s, max_concurrency=max_concurrency, headers=headers)
         self.model = model
 
     @property

@@ -11,26 +11,40 @@ One ``HTTPTransport`` serves one role's base URLs. For each call it
   backoff (honouring ``Retry-After``), never other 4xx: a bad request stays bad;
 - raises ``LLMError`` naming the URL and the status.
 
-httpx connection pools and semaphores belong to one event loop. Worker
-processes may run several ``asyncio.run`` calls over their life, and the
-threading pool backend runs one loop per thread, so the loop-bound state is
-kept per thread, created lazily and rebuilt when the running loop changes.
-The concurrency cap therefore holds per event loop (per process, or per
-thread under the threading backend).
+The library is aiohttp, chosen by measurement (docs/benchmarks.md, "Rollout
+pool"): on the rollout workload (hundreds of requests in flight per worker
+process) httpx spent most of the worker's CPU in httpcore's connection-pool
+scan, which grows with the number of connections; aiohttp's connector does
+not. Its connector has no connection limit of its own (``limit=0``): the
+per-endpoint semaphores below are the only cap, so there is one knob.
+
+aiohttp sessions and semaphores belong to one event loop. Worker processes may
+run several ``asyncio.run`` calls over their life, and the threading pool
+backend runs one loop per thread, so the loop-bound state is kept per thread,
+created lazily and rebuilt when the running loop changes. The concurrency cap
+therefore holds per event loop (per process, or per thread under the threading
+backend). A session is closed when its loop shuts down (``asyncio.run``'s
+teardown finalises an async generator that closes it), so no "Unclosed client
+session" is logged; a loop that ends some other way gets its session's
+connections dropped synchronously the next time this thread needs one, or at exit.
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import ipaddress
 import itertools
+import json as jsonlib
 import random
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, AsyncIterator, Literal, Mapping
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
+import orjson
 
 from aflow_rl.llm.base import LLMError
 
@@ -39,6 +53,30 @@ Balance = Literal["least_in_flight", "round_robin"]
 # A server's Retry-After is honoured up to this many seconds (and never past the deadline).
 _MAX_BACKOFF_S = 30.0
 _BODY_CHARS = 300  # how much of an error body goes into the exception message
+# Idle keep-alive connections are dropped after this long: below the 5 s that uvicorn (the
+# embedded server) and SGLang keep them, so the client never reuses one the server just closed.
+_KEEPALIVE_S = 4.0
+
+
+# orjson encodes and decodes the rollout's bodies (hundreds of token ids, logprob rows) 6-8x
+# faster than the json module; these options keep json.dumps's leniency (int dict keys, numpy).
+_ORJSON_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+def dumps(obj: Any) -> bytes:
+    """JSON-encode a request body (the json module for what orjson refuses, e.g. huge ints)."""
+    try:
+        return orjson.dumps(obj, option=_ORJSON_OPTS)
+    except TypeError:
+        return jsonlib.dumps(obj).encode()
+
+
+def loads(data: bytes) -> Any:
+    """Decode a JSON reply; the json module accepts what orjson refuses (NaN, Infinity). ValueError if neither can."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return jsonlib.loads(data)
 
 
 def normalize_url(url: str) -> str:
@@ -66,20 +104,110 @@ def backoff_delay(attempt: int, base_s: float, rng: random.Random | None = None)
 
 
 @dataclass
+class HTTPResponse:
+    """A finished exchange: status, headers and the whole body (read inside the deadline)."""
+
+    method: str
+    url: str           # the full URL requested
+    base_url: str      # the endpoint it went to
+    status_code: int
+    headers: Mapping[str, str]  # case-insensitive (aiohttp's CIMultiDictProxy)
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The body as JSON (ValueError when it is not)."""
+        return loads(self.content)
+
+
+@dataclass
 class _Endpoint:
     url: str
     in_flight: int = 0       # requests queued for or holding a slot of this endpoint
     sent: int = 0            # requests sent, for tests and stats
     failures: int = 0
+    down: bool = False       # out of rotation (a weight sync could not reach it): see mark_down
 
 
-@dataclass
+@dataclass(eq=False)
 class _LoopState:
-    """Per-event-loop objects: the httpx client and one semaphore per endpoint."""
+    """Per-event-loop objects: the aiohttp session and one semaphore per endpoint."""
 
     loop: asyncio.AbstractEventLoop
-    client: httpx.AsyncClient
+    session: aiohttp.ClientSession
     sems: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+    closer: Any = None  # the async generator whose finalisation closes the session
+
+
+# Every state whose session is still open, held strongly: a thread that ends with its loop
+# closed by hand (not by asyncio.run) must not let its session be collected unclosed.
+_LIVE: set[_LoopState] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+async def _close_at_shutdown(state: _LoopState) -> AsyncIterator[None]:
+    """Suspended at its yield for the loop's life; loop.shutdown_asyncgens() runs the finally."""
+    try:
+        yield
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.discard(state)
+        await state.session.close()
+
+
+def _register(state: _LoopState) -> None:
+    """Tie the session's closing to the loop's shutdown (asyncio.run calls shutdown_asyncgens).
+
+    The generator must be iterated inside the loop to be registered with it (the
+    loop's firstiter hook), hence the one-step task. States of loops that have
+    closed since (closed by hand, never shut down) are dropped here.
+    """
+    with _LIVE_LOCK:
+        dead = [s for s in _LIVE if s.loop.is_closed()]
+        _LIVE.add(state)
+    for old in dead:
+        _drop(old)
+    agen = _close_at_shutdown(state)
+    state.closer = agen
+
+    async def start() -> None:
+        await agen.__anext__()
+
+    state.loop.create_task(start())
+
+
+def _drop(state: _LoopState) -> None:
+    """Close a state whose loop no longer runs (or is gone), synchronously and quietly."""
+    with _LIVE_LOCK:
+        _LIVE.discard(state)
+    if state.closer is not None:
+        # Finish the generator here: were it garbage-collected unfinished, its finaliser
+        # would try to schedule aclose() on a closed loop. session.close() does not
+        # suspend when the loop is closed, so one send() runs it to the end.
+        coro, state.closer = state.closer.aclose(), None
+        try:
+            coro.send(None)
+        except (StopIteration, RuntimeError, GeneratorExit):
+            pass
+        else:
+            coro.close()
+    if not state.session.closed and state.session.connector is not None:
+        with warnings.catch_warnings():  # "close() is a coroutine": there is no loop left to await it on
+            warnings.simplefilter("ignore", DeprecationWarning)
+            waiter = state.session.connector.close()
+            del waiter
+
+
+@atexit.register
+def _drop_all() -> None:
+    with _LIVE_LOCK:
+        states = list(_LIVE)
+    for state in states:
+        if not state.loop.is_running():
+            _drop(state)
 
 
 class HTTPTransport:
@@ -87,8 +215,7 @@ class HTTPTransport:
 
     def __init__(self, urls: list[str] | str, *, timeout_s: float = 120.0, max_retries: int = 3,
                  backoff_s: float = 0.5, max_concurrency: int = 64, headers: dict[str, str] | None = None,
-                 balance: Balance = "least_in_flight",
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 balance: Balance = "least_in_flight") -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("HTTPTransport needs at least one base URL")
@@ -103,7 +230,6 @@ class HTTPTransport:
         self.max_concurrency = int(max_concurrency)
         self.headers = dict(headers or {})
         self.balance = balance
-        self._transport = transport  # tests inject httpx.MockTransport here
         self._rr = itertools.count()
         self._local = threading.local()  # .state: this thread's _LoopState
 
@@ -111,37 +237,58 @@ class HTTPTransport:
     def urls(self) -> list[str]:
         return [e.url for e in self.endpoints]
 
+    @property
+    def live_urls(self) -> list[str]:
+        """The endpoints in rotation: all but those marked down."""
+        return [e.url for e in self.endpoints if not e.down]
+
+    def mark_down(self, url: str, down: bool = True) -> None:
+        """Take ``url`` out of the balancer's rotation (or put it back). While every endpoint
+        is down the balancer uses them all: failing loudly beats having nowhere to send."""
+        self._endpoint(url).down = down
+
     # -- loop-bound state ---------------------------------------------------
 
     def _loop_state(self) -> _LoopState:
         loop = asyncio.get_running_loop()
         state: _LoopState | None = getattr(self._local, "state", None)
         if state is None or state.loop is not loop:
-            # This thread's previous loop (if any) has ended; its client cannot be
-            # awaited from here, so it is dropped and its sockets closed by GC.
-            limits = httpx.Limits(max_connections=self.max_concurrency * len(self.endpoints),
-                                  max_keepalive_connections=self.max_concurrency * len(self.endpoints))
-            # Loading CA certificates costs ~0.1-0.4 s per client; plain-http endpoints
-            # (every local server) never use them, so they are loaded only for https.
-            tls = any(e.url.startswith("https://") for e in self.endpoints)
-            client = httpx.AsyncClient(headers=self.headers, limits=limits, timeout=None, verify=tls,
-                                       transport=self._transport, trust_env=False)
-            state = _LoopState(loop, client, {e.url: asyncio.Semaphore(self.max_concurrency)
-                                              for e in self.endpoints})
+            if state is not None:
+                _drop(state)  # this thread's previous loop has ended; its session cannot be awaited here
+            # limit=0: no connector-wide cap, the per-endpoint semaphores are the cap.
+            # ttl_dns_cache: a cluster's server names are resolved once a minute, not per connection.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=60,
+                                             keepalive_timeout=_KEEPALIVE_S)
+            # Content-Type at session level: every body is JSON, and per-call headers cost a merge.
+            # No cookies: the servers set none, and the jar costs work on every request.
+            session = aiohttp.ClientSession(headers=_with_json_type(self.headers),
+                                            connector=connector, trust_env=False,
+                                            cookie_jar=aiohttp.DummyCookieJar(),
+                                            timeout=aiohttp.ClientTimeout(total=None), raise_for_status=False)
+            state = _LoopState(loop, session, {e.url: asyncio.Semaphore(self.max_concurrency)
+                                               for e in self.endpoints})
+            _register(state)
             self._local.state = state
         return state
 
     async def aclose(self) -> None:
-        """Close the pooled connections of this thread's client (if it belongs to the running loop)."""
+        """Close this thread's session (if it belongs to the running loop)."""
         state: _LoopState | None = getattr(self._local, "state", None)
         self._local.state = None
-        if state is not None and state.loop is asyncio.get_running_loop():
-            await state.client.aclose()
+        if state is None:
+            return
+        if state.loop is asyncio.get_running_loop():
+            with _LIVE_LOCK:
+                _LIVE.discard(state)
+            await state.session.close()
+        else:
+            _drop(state)
 
     # -- endpoint choice ------------------------------------------------------
 
     def _pick(self, avoid: str | None) -> _Endpoint:
-        candidates = [e for e in self.endpoints if e.url != avoid] or self.endpoints
+        pool = [e for e in self.endpoints if not e.down] or self.endpoints
+        candidates = [e for e in pool if e.url != avoid] or pool
         start = next(self._rr)
         if self.balance == "round_robin":
             return candidates[start % len(candidates)]
@@ -159,8 +306,18 @@ class HTTPTransport:
 
     # -- requests ----------------------------------------------------------------
 
+    async def _send(self, state: _LoopState, method: str, ep: _Endpoint, path: str, body: bytes | None,
+                    remaining: float) -> HTTPResponse:
+        """One exchange, body read included, bounded by ``remaining`` seconds."""
+        # asyncio.timeout bounds the whole exchange with one timer (aiohttp's own
+        # ClientTimeout rounds deadlines over 5 s up to the next whole second).
+        async with asyncio.timeout(remaining):
+            async with state.session.request(method, ep.url + path, data=body) as resp:
+                content = await resp.read()
+        return HTTPResponse(method, ep.url + path, ep.url, resp.status, resp.headers, content)
+
     async def request(self, method: str, path: str, *, json: Any = None, url: str | None = None,
-                      timeout_s: float | None = None, retry: bool = True) -> httpx.Response:
+                      timeout_s: float | None = None, retry: bool = True) -> HTTPResponse:
         """Send one request; return the (2xx) response or raise ``LLMError``.
 
         ``url`` pins the call to one endpoint (admin calls on every server);
@@ -171,6 +328,7 @@ class HTTPTransport:
         state = self._loop_state()
         deadline_s = self.timeout_s if timeout_s is None else float(timeout_s)
         pinned = self._endpoint(url) if url is not None else None
+        body = None if json is None else dumps(json)  # encoded once for every attempt
         attempts = 1 + (self.max_retries if retry else 0)
         tried = 0
         last_url, last_err, last_status = "", "", None
@@ -190,14 +348,12 @@ class HTTPTransport:
                         break
                     ep.sent += 1
                     tried += 1
-                    # wait_for bounds the whole exchange; httpx's own timeouts are per phase.
-                    resp = await asyncio.wait_for(
-                        state.client.request(method, full, json=json), timeout=remaining)
-            except (asyncio.TimeoutError, httpx.TimeoutException):
+                    resp = await self._send(state, method, ep, path, body, remaining)
+            except asyncio.TimeoutError:
                 ep.failures += 1
                 last_url, last_err, last_status = ep.url, f"timed out after {deadline_s:g}s", None
                 retry_after = None
-            except httpx.TransportError as exc:
+            except (aiohttp.ClientError, OSError) as exc:
                 ep.failures += 1
                 last_url, last_err, last_status = ep.url, f"{type(exc).__name__}: {exc or 'connection failed'}", None
                 retry_after = None
@@ -239,17 +395,22 @@ class HTTPTransport:
         return _decode(resp)
 
 
-def _decode(resp: httpx.Response) -> Any:
+def _with_json_type(headers: dict[str, str]) -> dict[str, str]:
+    if any(k.lower() == "content-type" for k in headers):
+        return dict(headers)
+    return {**headers, "Content-Type": "application/json"}
+
+
+def _decode(resp: HTTPResponse) -> Any:
     try:
         return resp.json()
     except ValueError:
-        url = f"{resp.request.url.scheme}://{resp.request.url.netloc.decode()}"
-        raise LLMError(f"{resp.request.method} {resp.request.url} returned non-JSON "
+        raise LLMError(f"{resp.method} {resp.url} returned non-JSON "
                        f"(HTTP {resp.status_code}): {resp.text[:_BODY_CHARS]!r}",
-                       url=url, status=resp.status_code) from None
+                       url=resp.base_url, status=resp.status_code) from None
 
 
-def _retry_after_s(resp: httpx.Response) -> float | None:
+def _retry_after_s(resp: HTTPResponse) -> float | None:
     value = resp.headers.get("retry-after")
     try:
         return max(0.0, float(value)) if value is not None else None

@@ -15,8 +15,6 @@ import json
 import time
 from typing import Any
 
-import httpx
-
 from aflow_rl.llm.base import Completion, FinishReason, LLMError
 from aflow_rl.llm.http import Balance, HTTPTransport
 
@@ -98,12 +96,10 @@ class OpenAIClient:
 
     def __init__(self, urls: list[str] | str, *, model: str = "", api_key: str | None = None,
                  timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 max_concurrency: int = 64, balance: Balance = "least_in_flight",
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 max_concurrency: int = 64, balance: Balance = "least_in_flight") -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = HTTPTransport(urls, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
-                                  max_concurrency=max_concurrency, headers=headers, balance=balance,
-                                  transport=transport)
+                                  max_concurrency=max_concurrency, headers=headers, balance=balance)
         # SGLang and the embedded server accept any name for their one model; OpenAI needs a real one.
         self.model = model or "default"
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
-import httpx
-
 from aflow_rl.llm.base import Completion, FinishReason, LLMError
-from aflow_rl.llm.http import Balance, HTTPTransport
+from aflow_rl.llm.http import Balance, HTTPResponse, HTTPTransport
 from aflow_rl.llm.openai_compat import chat_completion
+
+_log = logging.getLogger(__name__)
 
 # Keywords of generate() that belong to the request, not to sampling_params.
 _REQUEST_KEYS = ("rid", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
@@ -75,12 +76,10 @@ class SGLangClient:
 
     def __init__(self, urls: list[str] | str, *, timeout_s: float = 120.0, max_retries: int = 3,
                  backoff_s: float = 0.5, max_concurrency: int = 64, api_key: str | None = None,
-                 model: str = "", balance: Balance = "least_in_flight",
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 model: str = "", balance: Balance = "least_in_flight") -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = HTTPTransport(urls, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
-                                  max_concurrency=max_concurrency, headers=headers, balance=balance,
-                                  transport=transport)
+                                  max_concurrency=max_concurrency, headers=headers, balance=balance)
         self.model = model or "default"  # the name SGLang's /v1 routes accept for the served model
 
     @property
@@ -89,6 +88,12 @@ class SGLangClient:
 
     @property
     def urls(self) -> list[str]:
+        """The servers in rotation: every configured one except those the last weight sync
+        could not reach (they would serve stale weights; see update_weights_from_disk)."""
+        return self.http.live_urls
+
+    @property
+    def all_urls(self) -> list[str]:
         return self.http.urls
 
     # -- generation -------------------------------------------------------------
@@ -107,7 +112,7 @@ class SGLangClient:
             sampling["json_schema"] = schema_to_str(sampling["json_schema"])
         payload["sampling_params"] = {k: v for k, v in sampling.items() if v is not None}
         if input_ids is not None:
-            payload["input_ids"] = [int(t) for t in input_ids]
+            payload["input_ids"] = list(map(int, input_ids))  # numpy/torch ints -> int
         else:
             payload["text"] = prompt
         return payload
@@ -137,22 +142,47 @@ class SGLangClient:
     # -- admin (every server of the role) -----------------------------------------
 
     async def _on_all(self, method: str, path: str, payload: Any = None,
-                      timeout_s: float | None = None) -> list[httpx.Response]:
+                      timeout_s: float | None = None) -> list[HTTPResponse]:
         return list(await asyncio.gather(*(
             self.http.request(method, path, json=payload, url=u, timeout_s=timeout_s) for u in self.urls)))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
                                        timeout_s: float | None = None) -> list[dict]:
-        """Hot-swap weights on every server; raise if any reports ``success: false``."""
+        """Hot-swap weights on every reachable server; raise if any reports ``success: false``.
+
+        Every configured server is tried, those out of rotation included (one
+        attempt each), so a server that went away and came back gets the new
+        weights and rejoins. A server that cannot be reached (connection refused,
+        no answer before the deadline) is taken out of rotation with a warning:
+        the run goes on with the others, and ``urls`` no longer lists it. If no
+        server can be reached, or one answers with an error, this raises.
+        """
         payload: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        replies = [_json_or_text(r) for r in await self._on_all("POST", "/update_weights_from_disk",
-                                                                  payload, timeout_s)]
-        for url, reply in zip(self.urls, replies):
+        targets = self.http.urls
+        down = set(targets) - set(self.http.live_urls)
+        results = await asyncio.gather(*(
+            self.http.request("POST", "/update_weights_from_disk", json=payload, url=u, timeout_s=timeout_s,
+                              retry=u not in down) for u in targets), return_exceptions=True)
+        replies = []
+        for url, res in zip(targets, results):
+            if isinstance(res, LLMError) and res.status is None:
+                self.http.mark_down(url)
+                _log.warning("weight sync: %s is unreachable (%s); it leaves the rotation until a weight "
+                             "sync reaches it again", url, res)
+                continue
+            if isinstance(res, BaseException):
+                raise res
+            reply = _json_or_text(res)
             if not (isinstance(reply, dict) and reply.get("success")):
                 message = reply.get("message") if isinstance(reply, dict) else reply
                 raise LLMError(f"POST {url}/update_weights_from_disk {model_path!r} failed: {message}", url=url)
+            self.http.mark_down(url, False)
+            replies.append(reply)
+        if not replies:
+            raise LLMError(f"POST /update_weights_from_disk {model_path!r}: no server reachable of {targets}",
+                           url=targets[0])
         return replies
 
     async def flush_cache(self) -> None:
@@ -168,7 +198,7 @@ class SGLangClient:
         return await self.http.get_json("/get_model_info", url=url or self.base_url)
 
     async def health(self, timeout_s: float = 5.0) -> dict[str, bool]:
-        """``GET /health`` on every server, one attempt each: ``{url: healthy}``."""
+        """``GET /health`` on every configured server, one attempt each: ``{url: healthy}``."""
         async def probe(url: str) -> bool:
             try:
                 await self.http.request("GET", "/health", url=url, timeout_s=timeout_s, retry=False)
@@ -176,14 +206,14 @@ class SGLangClient:
             except LLMError:
                 return False
 
-        results = await asyncio.gather(*(probe(u) for u in self.urls))
-        return dict(zip(self.urls, results))
+        results = await asyncio.gather(*(probe(u) for u in self.all_urls))
+        return dict(zip(self.all_urls, results))
 
     async def aclose(self) -> None:
         await self.http.aclose()
 
 
-def _json_or_text(resp: httpx.Response) -> Any:
+def _json_or_text(resp: HTTPResponse) -> Any:
     try:
         return resp.json()
     except ValueError:

@@ -20,7 +20,7 @@ Reply = Callable[[str, str, Any, dict], tuple]
 
 
 class FakeServer:
-    def __init__(self, reply: Reply, delay_s: float = 0.0) -> None:
+    def __init__(self, reply: Reply, delay_s: float = 0.0, port: int = 0) -> None:
         self.reply = reply
         self.delay_s = delay_s
         self.calls: list[dict] = []
@@ -64,9 +64,10 @@ class FakeServer:
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
+            allow_reuse_address = True  # a server may come back on the port of one that went away
             request_queue_size = 128
 
-        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd = Server(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                        daemon=True)
@@ -92,11 +93,11 @@ def generate_reply(text: str = "ok", ids: tuple[int, ...] = (5, 6), finish: str 
 
 @pytest.fixture
 def fake_server():
-    """Factory: ``fake_server(reply, delay_s=0)`` -> a started FakeServer, closed after the test."""
+    """Factory: ``fake_server(reply, delay_s=0, port=0)`` -> a started FakeServer, closed after the test."""
     servers: list[FakeServer] = []
 
-    def make(reply: Reply, delay_s: float = 0.0) -> FakeServer:
-        srv = FakeServer(reply, delay_s)
+    def make(reply: Reply, delay_s: float = 0.0, port: int = 0) -> FakeServer:
+        srv = FakeServer(reply, delay_s, port)
         servers.append(srv)
         return srv
 

@@ -186,3 +186,63 @@ def test_url_helpers():
     assert is_local_url("http://localhost:1") and is_local_url("10.0.0.5:30000")
     assert is_local_url("http://192.168.1.2") and is_local_url("http://127.0.0.1:5")
     assert not is_local_url("https://api.openai.com") and not is_local_url("http://8.8.8.8")
+
+
+_LOOPS_SCRIPT = r'''
+import asyncio, gc, sys, threading
+sys.path.insert(0, sys.argv[1])
+from conftest import FakeServer
+from aflow_rl.llm.http import HTTPTransport
+
+srv = FakeServer(lambda *a: (200, {"ok": 1}))
+t = HTTPTransport([srv.url])
+for _ in range(2):                      # asyncio.run twice: each loop's session closed at its shutdown
+    assert asyncio.run(t.post_json("/x", {})) == {"ok": 1}
+loop = asyncio.new_event_loop()         # a loop closed by hand (the sequential pool backend's way)
+assert loop.run_until_complete(t.post_json("/x", {})) == {"ok": 1}
+loop.close()
+
+def thread():                           # a thread that ends with its hand-closed loop
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(t.post_json("/x", {}))
+    loop.close()
+
+th = threading.Thread(target=thread)
+th.start()
+th.join()
+gc.collect()
+print("calls", len(srv.calls))
+'''
+
+
+def test_sessions_close_with_their_loops_without_warnings(tmp_path):
+    """No "Unclosed client session/connector" however the loops end (asyncio.run, by hand, thread exit)."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "loops.py"
+    script.write_text(_LOOPS_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(here)))
+    out = subprocess.run([sys.executable, "-X", "dev", str(script), here], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "calls 4" in out.stdout
+    assert "Unclosed" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-2000:]
+
+
+def test_json_codec_keeps_the_json_modules_leniency(fake_server):
+    from aflow_rl.llm.http import dumps, loads
+
+    # int dict keys (logit_bias) and numpy ints encode as json.dumps would; NaN/Infinity replies decode.
+    import numpy as np
+
+    assert loads(dumps({1: -100, "ids": [np.int64(3)]})) == {"1": -100, "ids": [3]}
+    assert loads(b'{"lp": -Infinity}') == {"lp": float("-inf")}
+    assert dumps({"big": 2 ** 70}) == b'{"big": 1180591620717411303424}'  # past orjson's 64-bit ints
+    with pytest.raises(ValueError):
+        loads(b"not json")
+    srv = fake_server(lambda *x: (200, {"ok": 1}))
+    post(HTTPTransport([srv.url]), payload={"x": [np.int64(7)]})
+    assert srv.calls[0]["body"] == {"x": [7]} and srv.calls[0]["headers"]["content-type"] == "application/json"

@@ -95,6 +95,26 @@ def test_update_weights_hits_every_server_and_checks_success(fake_server):
     assert bad.url in str(err.value)
 
 
+def test_weight_sync_skips_an_unreachable_server_and_takes_it_back_when_it_returns(fake_server, dead_url):
+    def ok(method, path, body, headers):
+        return 200, {"success": True, "message": "loaded"} if path == "/update_weights_from_disk" else generate_reply()
+    live = fake_server(ok)
+    client = SGLangClient([live.url, dead_url], max_retries=1, backoff_s=0.01)
+    replies = run(client.update_weights_from_disk("/ckpt/step_1", weight_version="1"))
+    assert len(replies) == 1 and client.urls == [live.url] and client.all_urls == [live.url, dead_url]
+    for _ in range(4):  # out of rotation: generation never tries it
+        run(client.generate(input_ids=[1, 2]))
+    assert [c["path"] for c in live.calls].count("/generate") == 4
+    back = fake_server(ok, port=int(dead_url.rsplit(":", 1)[1]))  # it comes back: the next sync takes it in
+    run(client.update_weights_from_disk("/ckpt/step_2", weight_version="2"))
+    assert client.urls == [live.url, dead_url] and back.calls[0]["body"]["weight_version"] == "2"
+
+
+def test_weight_sync_with_no_server_reachable_raises(dead_url):
+    with pytest.raises(LLMError, match="no server reachable"):
+        run(SGLangClient([dead_url], max_retries=0).update_weights_from_disk("/ckpt/x"))
+
+
 def test_flush_abort_info_and_health(fake_server, dead_url):
     def reply(method, path, body, headers):
         if path == "/get_model_info":
