@@ -382,31 +382,59 @@ def _finish_type(res: GenerateResult) -> str:
     return res.finish_reason["type"]
 
 
-# ---- the app ---------------------------------------------------------------------------------------
+# ---- OpenAI reply pieces -------------------------------------------------------------------------------
 
-def create_app(model_path: str, *, served_model_name: Optional[str] = None, host: str = "127.0.0.1",
-               port: int = 0, engine: Optional[Engine] = None, **engine_kwargs) -> FastAPI:
-    """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
+def _chat_logprobs(srv: _Server, res: GenerateResult, params: SamplingParams) -> dict:
+    """OpenAI chat ``logprobs``: one entry per content token, with its top alternatives."""
+    content = []
+    for j in range(srv.content_len(res, params)):
+        tok = srv.token_str(res.output_ids[j])
+        entry = {"token": tok, "logprob": res.output_logprobs[j], "bytes": list(tok.encode("utf-8")),
+                 "top_logprobs": []}
+        if res.output_top_logprobs:
+            for lp, t in res.output_top_logprobs[j]:
+                s = srv.token_str(t)
+                entry["top_logprobs"].append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))})
+        content.append(entry)
+    return {"content": content, "refusal": None}
 
-    ``engine_kwargs`` go to :class:`~aflow_rl.serving.engine.Engine` (``dtype``,
-    ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``).
-    """
-    engine = engine or Engine(model_path, **engine_kwargs)
-    srv = _Server(engine, served_model_name or model_path, host, port)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start()
-        log.info("embedded server ready: model=%s context=%d max_batch=%d threads=%d",
-                 model_path, engine.context_length, engine.max_batch_size, engine.threads)
-        try:
-            yield
-        finally:
-            engine.shutdown()
+def _completion_logprobs(srv: _Server, res: GenerateResult, params: SamplingParams, top_n: int) -> dict:
+    """Legacy OpenAI completions ``logprobs``: tokens, their logprobs, top alternatives, text offsets."""
+    n = srv.content_len(res, params)
+    tokens = [srv.token_str(t) for t in res.output_ids[:n]]
+    offsets, pos = [], 0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": res.output_logprobs[:n],
+            "top_logprobs": [{srv.token_str(t): lp for lp, t in e} for e in
+                             (res.output_top_logprobs or [[]] * n)[:n]] if top_n else None,
+            "text_offset": offsets}
 
-    app = FastAPI(title="aflow_rl embedded server", lifespan=lifespan)
-    app.state.server = srv
 
+def _completion_prompts(srv: _Server, prompt: Any) -> list[list[int]]:
+    """OpenAI ``prompt`` (a string, strings, token ids or lists of them) -> token id lists."""
+    engine, vocab = srv.engine, srv.engine.vocab_size
+    if isinstance(prompt, str):
+        prompts = [engine.tokenizer.encode(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [engine.tokenizer.encode(p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_token_ids(p, f"prompt[{i}]", vocab) for i, p in enumerate(prompt)]
+    elif isinstance(prompt, list):
+        prompts = [_token_ids(prompt, "prompt", vocab)]
+    else:
+        _fail("prompt must be a string, a list of strings, or token ids")
+    if any(not p for p in prompts):
+        _fail("prompt encodes to no tokens")
+    return prompts
+
+
+# ---- the app: one function per route group ---------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every client mistake is a 400 with SGLang's error JSON."""
     @app.exception_handler(RequestError)
     async def _bad_request(request: Request, exc: RequestError):
         return _error(400, str(exc))
@@ -419,7 +447,10 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
     async def _bad_validation(request: Request, exc: RequestValidationError):
         return _error(400, str(exc))
 
-    # -- health and info --
+
+def _add_info_routes(app: FastAPI, srv: _Server, model_path: str) -> None:
+    """``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/v1/models``."""
+    engine = srv.engine
 
     @app.get("/health")
     async def health():
@@ -461,6 +492,17 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
                 "weight_version": engine.weight_version, "version": SERVER_VERSION,
                 "uptime_s": time.time() - srv.started, "internal_states": [engine.load()]}
 
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": srv.served_model_name, "object": "model",
+                                            "created": int(srv.started), "owned_by": "aflow_rl",
+                                            "root": engine.model_path, "max_model_len": engine.context_length}]}
+
+
+def _add_admin_routes(app: FastAPI, srv: _Server) -> None:
+    """``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``."""
+    engine = srv.engine
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         # There is no prefix cache to flush: every request's KV lives only while it runs.
@@ -496,8 +538,9 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
         return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0,
                              "weight_version": engine.weight_version}, status_code=200 if ok else 400)
 
-    # -- native generation --
 
+def _add_generate_route(app: FastAPI, srv: _Server) -> None:
+    """SGLang's native ``/generate``."""
     @app.post("/generate")
     async def generate(request: Request):
         body = await _json_body(request)
@@ -506,14 +549,9 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
         out = [srv.sglang_response(r, res, t) for r, res, t in zip(reqs, results, text_lp)]
         return JSONResponse(out if batch else out[0])
 
-    # -- OpenAI-compatible --
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": srv.served_model_name, "object": "model",
-                                            "created": int(srv.started), "owned_by": "aflow_rl",
-                                            "root": engine.model_path, "max_model_len": engine.context_length}]}
-
+def _add_openai_routes(app: FastAPI, srv: _Server) -> None:
+    """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions``."""
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json_body(request)
@@ -525,19 +563,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
                               return_logprob=want_lp, top_logprobs_num=top_n if want_lp else 0,
                               grammar=await srv.compile(spec))
         res = (await srv.run(request, [req]))[0]
-        logprobs = None
-        if want_lp:
-            content = []
-            for j in range(srv.content_len(res, params)):
-                tok = srv.token_str(res.output_ids[j])
-                entry = {"token": tok, "logprob": res.output_logprobs[j], "bytes": list(tok.encode("utf-8")),
-                         "top_logprobs": []}
-                if res.output_top_logprobs:
-                    for lp, t in res.output_top_logprobs[j]:
-                        s = srv.token_str(t)
-                        entry["top_logprobs"].append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))})
-                content.append(entry)
-            logprobs = {"content": content, "refusal": None}
+        logprobs = _chat_logprobs(srv, res, params) if want_lp else None
         matched = res.finish_reason.get("matched")
         return {"id": res.rid, "object": "chat.completion", "created": int(time.time()),
                 "model": srv.served_model_name,
@@ -552,20 +578,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
             _fail("echo=true is not supported by the embedded server")
         if body.get("suffix"):
             _fail("suffix is not supported by the embedded server")
-        prompt = body.get("prompt")
-        vocab = engine.vocab_size
-        if isinstance(prompt, str):
-            prompts = [engine.tokenizer.encode(prompt)]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [engine.tokenizer.encode(p) for p in prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-            prompts = [_token_ids(p, f"prompt[{i}]", vocab) for i, p in enumerate(prompt)]
-        elif isinstance(prompt, list):
-            prompts = [_token_ids(prompt, "prompt", vocab)]
-        else:
-            _fail("prompt must be a string, a list of strings, or token ids")
-        if any(not p for p in prompts):
-            _fail("prompt encodes to no tokens")
+        prompts = _completion_prompts(srv, body.get("prompt"))
         top_n = body.get("logprobs")
         top_n = None if top_n is None else _int(top_n, "logprobs", 0, MAX_TOP_LOGPROBS)
         reqs, all_params = [], []
@@ -576,26 +589,42 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
                                         return_logprob=top_n is not None, top_logprobs_num=top_n or 0,
                                         grammar=await srv.compile(spec)))
         results = await srv.run(request, reqs)
-        choices = []
-        for i, (res, params) in enumerate(zip(results, all_params)):
-            logprobs = None
-            if top_n is not None:
-                n = srv.content_len(res, params)
-                tokens = [srv.token_str(t) for t in res.output_ids[:n]]
-                offsets, pos = [], 0
-                for s in tokens:
-                    offsets.append(pos)
-                    pos += len(s)
-                logprobs = {"tokens": tokens, "token_logprobs": res.output_logprobs[:n],
-                            "top_logprobs": [{srv.token_str(t): lp for lp, t in e} for e in
-                                             (res.output_top_logprobs or [[]] * n)[:n]] if top_n else None,
-                            "text_offset": offsets}
-            choices.append({"index": i, "text": res.text, "logprobs": logprobs, "finish_reason": _finish_type(res),
-                            "matched_stop": res.finish_reason.get("matched")})
+        choices = [{"index": i, "text": res.text,
+                    "logprobs": None if top_n is None else _completion_logprobs(srv, res, params, top_n),
+                    "finish_reason": _finish_type(res), "matched_stop": res.finish_reason.get("matched")}
+                   for i, (res, params) in enumerate(zip(results, all_params))]
         return {"id": results[0].rid, "object": "text_completion", "created": int(time.time()),
                 "model": srv.served_model_name, "choices": choices, "usage": srv.usage(results),
                 "metadata": {"weight_version": results[0].weight_version}}
 
+
+def create_app(model_path: str, *, served_model_name: Optional[str] = None, host: str = "127.0.0.1",
+               port: int = 0, engine: Optional[Engine] = None, **engine_kwargs) -> FastAPI:
+    """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
+
+    ``engine_kwargs`` go to :class:`~aflow_rl.serving.engine.Engine` (``dtype``,
+    ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``).
+    """
+    engine = engine or Engine(model_path, **engine_kwargs)
+    srv = _Server(engine, served_model_name or model_path, host, port)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        log.info("embedded server ready: model=%s context=%d max_batch=%d threads=%d",
+                 model_path, engine.context_length, engine.max_batch_size, engine.threads)
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="aflow_rl embedded server", lifespan=lifespan)
+    app.state.server = srv
+    _add_error_handlers(app)
+    _add_info_routes(app, srv, model_path)
+    _add_admin_routes(app, srv)
+    _add_generate_route(app, srv)
+    _add_openai_routes(app, srv)
     return app
 
 
