@@ -489,6 +489,7 @@ def _add_info_routes(app: FastAPI, srv: _Server, model_path: str) -> None:
                 "threads": engine.threads, "random_seed": engine.random_seed, "device": "cpu",
                 "grammar_backend": "xgrammar",
                 "constrained_json_disable_any_whitespace": not engine.grammar.any_whitespace,
+                "grammar_cache": engine.grammar.cache.stats(),
                 "weight_version": engine.weight_version, "version": SERVER_VERSION,
                 "uptime_s": time.time() - srv.started, "internal_states": [engine.load()]}
 

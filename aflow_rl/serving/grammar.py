@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -81,8 +83,11 @@ class GrammarBackend:
     """
 
     def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: Sequence[int] | None = None,
-                 any_whitespace: bool = False, max_threads: int = 2):
+                 any_whitespace: bool = False, max_threads: int = 2, cache_size: int = 256):
         self.vocab_size = int(vocab_size)
+        # Compiled grammars by (kind, text): the agent's requests repeat a handful of schemas, and
+        # from_json_schema + the strict-strings rewrite + compile took 11% of the server's time.
+        self.cache = CompiledCache(cache_size)
         self.any_whitespace = any_whitespace
         stop = sorted(set(int(t) for t in stop_token_ids)) if stop_token_ids else None
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
@@ -95,12 +100,19 @@ class GrammarBackend:
         return _cached_backend(model_path, any_whitespace)
 
     def compile(self, grammar: GrammarLike) -> "xgr.CompiledGrammar":
-        """Compile a spec (cached by xgrammar); raises :class:`GrammarError` with the compiler's message."""
+        """Compile a spec, or take it from the LRU cache; raises :class:`GrammarError` with the compiler's message."""
         if isinstance(grammar, xgr.CompiledGrammar):
             return grammar
         spec = grammar if isinstance(grammar, GrammarSpec) else spec_from_params(grammar)
         if spec is None:
             raise GrammarError("no json_schema or regex given")
+        compiled = self.cache.get(spec)
+        if compiled is None:
+            compiled = self._compile(spec)
+            self.cache.put(spec, compiled)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> "xgr.CompiledGrammar":
         try:
             if spec.kind == "json_schema":
                 grammar = xgr.Grammar.from_json_schema(spec.value, any_whitespace=self.any_whitespace)
@@ -118,6 +130,46 @@ class GrammarBackend:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 bitmask ``[rows, ceil(V/32)]`` for ``fill_next_token_bitmask``."""
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+
+class CompiledCache:
+    """A thread-safe bounded LRU of compiled grammars keyed by :class:`GrammarSpec`, with hit counters.
+
+    Failed compilations are not cached (they raise before ``put``); the lock guards only the
+    dictionary, so two threads missing on the same spec may both compile it once.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = max(0, int(capacity))
+        self.hits = self.misses = 0
+        self._items: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, spec: GrammarSpec) -> Any:
+        with self._lock:
+            compiled = self._items.get(spec)
+            if compiled is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(spec)
+            self.hits += 1
+            return compiled
+
+    def put(self, spec: GrammarSpec, compiled: Any) -> None:
+        with self._lock:
+            if self.capacity == 0:
+                return
+            self._items[spec] = compiled
+            self._items.move_to_end(spec)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "size": len(self._items), "capacity": self.capacity}
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def strict_json_strings(ebnf: str) -> str:

@@ -240,6 +240,22 @@ def test_json_schema_samples_all_validate(http):
     assert len({r["text"] for r in replies}) > 5   # sampled, not one fixed answer
 
 
+def test_second_request_with_the_same_schema_hits_the_grammar_cache(http):
+    schema = json.dumps({"type": "object", "properties": {"cache_probe": {"type": "integer"}},
+                         "required": ["cache_probe"]})
+
+    def cache():
+        return http.get("/get_server_info").json()["grammar_cache"]
+
+    before = cache()
+    generate(http, input_ids=[5, 6], sampling_params={"max_new_tokens": 4, "json_schema": schema})
+    mid = cache()
+    assert (mid["misses"], mid["hits"]) == (before["misses"] + 1, before["hits"])
+    generate(http, input_ids=[5, 7], sampling_params={"max_new_tokens": 4, "json_schema": schema})
+    after = cache()
+    assert (after["misses"], after["hits"]) == (mid["misses"], mid["hits"] + 1)
+
+
 def test_regex_constrained_output(http, tok):
     replies = generate(http, text=["Answer: ", "Is it?"], sampling_params={"regex": "(yes|no)", "max_new_tokens": 8})
     for reply in replies:
