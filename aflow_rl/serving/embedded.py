@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -36,6 +35,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from aflow_rl.serving.engine import Engine, GenerateRequest, GenerateResult, RequestError, SamplingParams
+from aflow_rl.serving.contract import (MAX_STOP_COUNT, ContractError, as_bool, as_float, as_int,
+                                      check_generate_fields, check_sampling_keys, fail, stop_regexes, str_list,
+                                      top_k)
 from aflow_rl.serving.grammar import GrammarError, spec_from_params
 
 log = logging.getLogger("aflow_rl.serving.embedded")
@@ -43,58 +45,11 @@ log = logging.getLogger("aflow_rl.serving.embedded")
 SERVER_VERSION = "aflow_rl-embedded-0.1"
 DEFAULT_MAX_NEW_TOKENS = 128          # SGLang's default for /generate
 MAX_TOP_LOGPROBS = 20                 # OpenAI's limit; /generate allows up to the vocabulary
-# Sampling params the engine implements, and those accepted only at their neutral value.
-_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-                  "json_schema", "regex", "skip_special_tokens", "no_stop_trim", "sampling_seed",
-                  "spaces_between_special_tokens"}
-_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-            "min_new_tokens": 0, "n": 1, "ebnf": None, "structural_tag": None, "custom_params": None,
-            "logit_bias": None}
 
 
-# ---- validation helpers ----------------------------------------------------------------------
+# ---- validation helpers (SGLang's contract: aflow_rl/serving/contract.py) -------------------------------
 
-def _fail(message: str) -> None:
-    raise RequestError(message)
-
-
-def _int(value: Any, name: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            _fail(f"{name} must be an integer, got {value!r}")
-    if lo is not None and value < lo:
-        _fail(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        _fail(f"{name} must be <= {hi}, got {value}")
-    return value
-
-
-def _float(value: Any, name: str, lo: Optional[float] = None, hi: Optional[float] = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _fail(f"{name} must be a finite number, got {value!r}")
-    if lo is not None and value < lo:
-        _fail(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        _fail(f"{name} must be <= {hi}, got {value}")
-    return float(value)
-
-
-def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        _fail(f"{name} must be true or false, got {value!r}")
-    return value
-
-
-def _str_list(value: Any, name: str) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value] if value else []
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [s for s in value if s]
-    _fail(f"{name} must be a string or a list of strings, got {value!r}")
+_fail, _int, _float, _bool = fail, as_int, as_float, as_bool
 
 
 def _token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
@@ -112,8 +67,10 @@ async def _json_body(request: Request) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"malformed JSON body: {exc}") from exc
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError, bad UTF-8 and Python's 4300-digit limit on integers;
+        # RecursionError deeply nested arrays. Either would otherwise be a 500 and a reset connection.
+        raise RequestError(f"malformed JSON body: {str(exc)[:200]}") from exc
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     return body
@@ -137,54 +94,51 @@ class _Server:
 
     # -- sampling params --
 
-    def sampling_params(self, raw: Any, prompt_len: int, default_max_new: Optional[int]) -> tuple[SamplingParams, Any]:
-        """Validate SGLang sampling params; returns them and the grammar spec (or None)."""
+    def sampling_params(self, raw: Any, prompt_len: int, default_max: Optional[int]) -> tuple[SamplingParams, Any]:
+        """Validate SGLang sampling params as SGLang does; returns them and the grammar spec (or None)."""
         raw = {} if raw is None else raw
         if not isinstance(raw, dict):
             _fail("sampling_params must be a JSON object")
-        for key, value in raw.items():
-            if key in _SAMPLING_KEYS:
-                continue
-            if key in _NEUTRAL:
-                if value is not None and value != _NEUTRAL[key]:
-                    _fail(f"sampling_params.{key}={value!r} is not supported by the embedded server "
-                          f"(only {_NEUTRAL[key]!r})")
-                continue
-            _fail(f"unknown sampling_params key {key!r}; supported: {sorted(_SAMPLING_KEYS | set(_NEUTRAL))}")
-        ctx = self.engine.context_length
-        if prompt_len >= ctx:
-            _fail(f"the prompt has {prompt_len} tokens; the model's context length is {ctx}")
-        if raw.get("max_new_tokens") is None:
-            max_new = min(default_max_new if default_max_new is not None else ctx, ctx - prompt_len)
-        else:
-            max_new = _int(raw["max_new_tokens"], "max_new_tokens", lo=0)
-            if prompt_len + max_new > ctx:
-                _fail(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
-                      f"You requested a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the "
-                      f"input and {max_new} tokens for the completion.")
-        vocab = self.engine.vocab_size
+        check_sampling_keys(raw)
 
         def get(key: str, default: Any) -> Any:   # SGLang treats an explicit null as "unset"
             value = raw.get(key)
             return default if value is None else value
 
+        max_new = self.max_new_tokens(raw.get("max_new_tokens"), prompt_len, default_max)
         stop_ids = get("stop_token_ids", [])
         if not isinstance(stop_ids, list):
             _fail("stop_token_ids must be a list of token ids")
-        top_k = _int(get("top_k", -1), "top_k", lo=-1)
+        regexes, regex_len = stop_regexes(raw.get("stop_regex"))
         params = SamplingParams(
             max_new_tokens=max_new,
             temperature=_float(get("temperature", 1.0), "temperature", lo=0.0),
-            top_p=_float(get("top_p", 1.0), "top_p", lo=1e-9, hi=1.0),
-            top_k=-1 if top_k == 0 else top_k,
-            stop=_str_list(raw.get("stop"), "stop"),
-            stop_token_ids=[_int(t, "stop_token_ids[]", 0, vocab - 1) for t in stop_ids],
+            top_p=_float(get("top_p", 1.0), "top_p", lo=0.0, hi=1.0, lo_open=True),
+            top_k=top_k(get("top_k", -1), self.engine.vocab_size),
+            stop=str_list(raw.get("stop"), "stop", MAX_STOP_COUNT),
+            stop_token_ids=[_int(t, "stop_token_ids[]", 0, self.engine.vocab_size - 1) for t in stop_ids],
             ignore_eos=_bool(get("ignore_eos", False), "ignore_eos"),
             skip_special_tokens=_bool(get("skip_special_tokens", True), "skip_special_tokens"),
             no_stop_trim=_bool(get("no_stop_trim", False), "no_stop_trim"),
             sampling_seed=None if raw.get("sampling_seed") is None else _int(raw["sampling_seed"], "sampling_seed"),
+            stop_regex=regexes, stop_regex_max_len=regex_len,
         )
+        _bool(get("spaces_between_special_tokens", True), "spaces_between_special_tokens")
         return params, spec_from_params(raw)
+
+    def max_new_tokens(self, value: Any, prompt_len: int, default_max: Optional[int]) -> int:
+        """The output budget: the request's (checked against the context) or what the context leaves."""
+        ctx = self.engine.context_length
+        if prompt_len >= ctx:
+            _fail(f"the prompt has {prompt_len} tokens; the model's context length is {ctx}")
+        if value is None:
+            return min(default_max if default_max is not None else ctx, ctx - prompt_len)
+        max_new = _int(value, "max_new_tokens", lo=0)
+        if prompt_len + max_new > ctx:
+            _fail(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                  f"You requested a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the "
+                  f"input and {max_new} tokens for the completion.")
+        return max_new
 
     async def compile(self, spec) -> Any:
         """Compile a grammar spec off the event loop; GrammarError -> 400."""
@@ -198,6 +152,7 @@ class _Server:
         """SGLang's GenerateReqInput -> engine requests, whether it was a batch, return_text flags."""
         if body.get("stream"):
             _fail("stream=true is not supported by the embedded server")
+        check_generate_fields(body)
         text, input_ids = body.get("text"), body.get("input_ids")
         if text is not None and input_ids is not None:
             _fail("Either text or input_ids should be provided, not both.")
@@ -439,6 +394,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _bad_request(request: Request, exc: RequestError):
         return _error(400, str(exc))
 
+    @app.exception_handler(ContractError)
+    async def _bad_contract(request: Request, exc: ContractError):
+        return _error(400, str(exc))
+
     @app.exception_handler(GrammarError)
     async def _bad_grammar(request: Request, exc: GrammarError):
         return _error(400, str(exc))
@@ -651,6 +610,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSON grammars allow free whitespace (SGLang's default); off = compact JSON, like "
                          "SGLang's --constrained-json-disable-any-whitespace")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # auto = uvicorn's standard extras (httptools, uvloop) when installed; h11/asyncio to compare.
+    ap.add_argument("--http", dest="http_impl", default="auto", choices=["auto", "h11", "httptools"],
+                    help="uvicorn HTTP parser (auto: httptools when installed)")
+    ap.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                    help="event loop (auto: uvloop when installed)")
     return ap
 
 
@@ -676,7 +640,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                      random_seed=args.random_seed)
     # uvicorn's own logs stay at warning: an access line per request would cost throughput.
     uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.log_level == "debug" else "warning",
-                access_log=False, timeout_graceful_shutdown=5)
+                access_log=False, timeout_graceful_shutdown=5, http=args.http_impl, loop=args.loop)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What a request constrains its output to: ``kind`` is ``json_schema`` or ``regex``."""
+    """What a request constrains its output to: ``kind`` is ``json_schema``, ``regex`` or ``ebnf``."""
 
     kind: str
     value: str
@@ -51,28 +51,30 @@ class GrammarSpec:
 GrammarLike = Union[GrammarSpec, Mapping[str, Any], "xgr.CompiledGrammar"]
 
 
-def spec_from_params(params: Mapping[str, Any] | None) -> GrammarSpec | None:
-    """Read ``json_schema`` / ``regex`` from SGLang sampling params (or a stored spec dict).
+_GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
-    A ``json_schema`` may be a JSON string (SGLang's form) or an already parsed dict.
-    Raises :class:`GrammarError` when both are set or a value has the wrong type.
+
+def spec_from_params(params: Mapping[str, Any] | None) -> GrammarSpec | None:
+    """Read ``json_schema`` / ``regex`` / ``ebnf`` from SGLang sampling params (or a stored spec dict).
+
+    A ``json_schema`` may be a JSON string (SGLang's form) or an already parsed dict; an
+    empty string means unset, as in SGLang. Raises :class:`GrammarError` when more than
+    one is set or a value has the wrong type.
     """
     if not params:
         return None
-    schema, regex = params.get("json_schema"), params.get("regex")
-    if schema is not None and regex is not None:
-        raise GrammarError("set only one of json_schema and regex")
-    if schema is not None:
-        if isinstance(schema, (dict, bool)):
-            schema = json.dumps(schema)
-        if not isinstance(schema, str):
-            raise GrammarError(f"json_schema must be a JSON string, got {type(schema).__name__}")
-        return GrammarSpec("json_schema", schema)
-    if regex is not None:
-        if not isinstance(regex, str):
-            raise GrammarError(f"regex must be a string, got {type(regex).__name__}")
-        return GrammarSpec("regex", regex)
-    return None
+    given = {k: params.get(k) for k in _GRAMMAR_KINDS if params.get(k) not in (None, "")}
+    if len(given) > 1:
+        raise GrammarError(f"set only one of json_schema, regex and ebnf (got {', '.join(given)})")
+    if not given:
+        return None
+    kind, value = next(iter(given.items()))
+    if kind == "json_schema" and isinstance(value, (dict, bool)):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise GrammarError(f"{kind} must be a {'JSON ' if kind == 'json_schema' else ''}string, "
+                           f"got {type(value).__name__}")
+    return GrammarSpec(kind, value)
 
 
 class GrammarBackend:
@@ -105,7 +107,7 @@ class GrammarBackend:
             return grammar
         spec = grammar if isinstance(grammar, GrammarSpec) else spec_from_params(grammar)
         if spec is None:
-            raise GrammarError("no json_schema or regex given")
+            raise GrammarError("no json_schema, regex or ebnf given")
         compiled = self.cache.get(spec)
         if compiled is None:
             compiled = self._compile(spec)
@@ -119,9 +121,11 @@ class GrammarBackend:
                 return self.compiler.compile_grammar(strict_json_strings(str(grammar)))
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.value)
+            if spec.kind == "ebnf":
+                return self.compiler.compile_grammar(spec.value)
         except Exception as exc:  # xgrammar raises RuntimeError / InvalidJSONError with the reason
             raise GrammarError(f"invalid {spec.kind}: {exc}") from exc
-        raise GrammarError(f"unknown grammar kind {spec.kind!r}; use json_schema or regex")
+        raise GrammarError(f"unknown grammar kind {spec.kind!r}; use json_schema, regex or ebnf")
 
     def matcher(self, compiled: "xgr.CompiledGrammar") -> "xgr.GrammarMatcher":
         """A fresh per-sequence matcher; it terminates once it accepts a stop token."""
