@@ -39,10 +39,13 @@ from aflow_rl.serving.contract import (MAX_STOP_COUNT, ContractError, as_bool, a
                                       check_generate_fields, check_sampling_keys, fail, stop_regexes, str_list,
                                       top_k)
 from aflow_rl.serving.grammar import GrammarError, spec_from_params
+from aflow_rl.serving.guard import ApiKeyMiddleware, BadBody, Limits, TooLarge, prompt_bytes_bound, read_json_body
 
 log = logging.getLogger("aflow_rl.serving.embedded")
 
 SERVER_VERSION = "aflow_rl-embedded-0.1"
+API_KEY_ENV = "AFLOW_SERVER_API_KEY"               # read by --api-key's default (and by weight_sync)
+ADMIN_API_KEY_ENV = "AFLOW_SERVER_ADMIN_API_KEY"
 DEFAULT_MAX_NEW_TOKENS = 128          # SGLang's default for /generate
 MAX_TOP_LOGPROBS = 20                 # OpenAI's limit; /generate allows up to the vocabulary
 
@@ -64,16 +67,7 @@ def _token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
 
 
 async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"null")
-    except (ValueError, RecursionError) as exc:
-        # ValueError covers JSONDecodeError, bad UTF-8 and Python's 4300-digit limit on integers;
-        # RecursionError deeply nested arrays. Either would otherwise be a 500 and a reset connection.
-        raise RequestError(f"malformed JSON body: {str(exc)[:200]}") from exc
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
+    return await read_json_body(request, request.app.state.server.limits.max_request_bytes)
 
 
 def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
@@ -86,11 +80,30 @@ def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSON
 class _Server:
     """Per-app state: the engine plus the protocol glue around it."""
 
-    def __init__(self, engine: Engine, served_model_name: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, engine: Engine, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
+                 limits: Limits = Limits()):
         self.engine = engine
         self.served_model_name = served_model_name
         self.host, self.port = host, port
+        self.limits = limits
         self.started = time.time()
+        self.max_prompt_bytes = prompt_bytes_bound(engine.tokenizer, engine.context_length)
+        self._compile_slots = asyncio.Semaphore(limits.max_concurrent_compiles)
+        self._compiling: dict[Any, asyncio.Future] = {}    # spec -> its running compile, shared by repeats
+
+    def check_text_size(self, texts: list[str], what: str) -> None:
+        """Refuse, before tokenizing, texts that together cannot fit the context (guard.prompt_bytes_bound)."""
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if size > self.max_prompt_bytes:
+            _fail(f"the {what} has {size} bytes; more than {self.max_prompt_bytes} bytes cannot fit the "
+                  f"model's context length of {self.engine.context_length} tokens")
+
+    async def encode(self, texts: list[str], what: str = "text", **kwargs) -> list[list[int]]:
+        """Tokenize off the event loop, refusing first any text too long to fit the context."""
+        for t in texts:
+            self.check_text_size([t], what)
+        tok = self.engine.tokenizer
+        return await asyncio.to_thread(lambda: [tok.encode(t, **kwargs) for t in texts])
 
     # -- sampling params --
 
@@ -141,10 +154,39 @@ class _Server:
         return max_new
 
     async def compile(self, spec) -> Any:
-        """Compile a grammar spec off the event loop; GrammarError -> 400."""
+        """Compile a grammar spec off the event loop within the compile deadline; GrammarError -> 400.
+
+        xgrammar cannot be interrupted, so a compile past the deadline runs on in its thread and
+        keeps its slot until it ends: at most ``max_concurrent_compiles`` threads ever compile,
+        and a repeat of a spec still compiling waits for that one instead of starting another.
+        """
         if spec is None:
             return None
-        return await asyncio.to_thread(self.engine.grammar.compile, spec)
+        backend = self.engine.grammar
+        compiled = backend.cache.get(spec)
+        if compiled is not None:
+            return compiled
+        timeout = self.limits.grammar_compile_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._compile_future(spec)), timeout)
+        except asyncio.TimeoutError:
+            _fail(f"the {spec.kind} did not compile within {timeout:g} s (--grammar-compile-timeout); "
+                  f"simplify it")
+
+    def _compile_future(self, spec) -> asyncio.Future:
+        fut = self._compiling.get(spec)
+        if fut is None:
+            fut = asyncio.ensure_future(self._compile_in_slot(spec))
+            self._compiling[spec] = fut
+            fut.add_done_callback(lambda _: self._compiling.pop(spec, None))
+        return fut
+
+    async def _compile_in_slot(self, spec) -> Any:
+        backend = self.engine.grammar
+        async with self._compile_slots:
+            compiled = await asyncio.to_thread(backend.compile_uncached, spec)
+        backend.cache.put(spec, compiled)
+        return compiled
 
     # -- /generate --
 
@@ -166,12 +208,14 @@ class _Server:
                 prompts, batch = text, True
             else:
                 _fail("text must be a string or a non-empty list of strings")
-            ids_list = [self.engine.tokenizer.encode(t) for t in prompts]
+            self.check_batch(len(prompts))
+            ids_list = await self.encode(prompts)
             for t, ids in zip(prompts, ids_list):
                 if not ids:
                     _fail(f"text {t!r} encodes to no tokens")
         else:
             if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+                self.check_batch(len(input_ids))
                 ids_list = [_token_ids(x, f"input_ids[{i}]", vocab) for i, x in enumerate(input_ids)]
                 batch = True
             else:
@@ -195,7 +239,7 @@ class _Server:
         starts = per_item("logprob_start_len", -1)
         tops = per_item("top_logprobs_num", 0)
         texts_in_lp = per_item("return_text_in_logprobs", False)
-        reqs = []
+        reqs, entries = [], 0
         for i, ids in enumerate(ids_list):
             params, spec = self.sampling_params(sps[i], len(ids), DEFAULT_MAX_NEW_TOKENS)
             want_lp = _bool(return_lp[i], "return_logprob")
@@ -203,6 +247,9 @@ class _Server:
             if want_lp and start > len(ids):
                 _fail(f"logprob_start_len={start} is higher than the number of input tokens ({len(ids)})")
             top_n = _int(tops[i], "top_logprobs_num", lo=0, hi=vocab)
+            if want_lp:
+                entries += top_n * (params.max_new_tokens + (len(ids) - start if start >= 0 else 0))
+                self.check_top_logprobs(entries)
             rid = rids[i]
             if rid is not None and not isinstance(rid, str):
                 _fail(f"rid must be a string, got {rid!r}")
@@ -211,6 +258,17 @@ class _Server:
                 logprob_start_len=start if want_lp else -1, top_logprobs_num=top_n if want_lp else 0,
                 grammar=await self.compile(spec)))
         return reqs, batch, [bool(t) for t in texts_in_lp]
+
+    def check_batch(self, n: int) -> None:
+        if n > self.limits.max_batch_prompts:
+            _fail(f"the request has {n} prompts; the server takes at most {self.limits.max_batch_prompts} "
+                  f"per request (--max-batch-prompts)")
+
+    def check_top_logprobs(self, entries: int) -> None:
+        """top_logprobs_num x positions bounds the reply: 200 bytes once asked for 32.9 MB."""
+        if entries > self.limits.max_top_logprobs_entries:
+            _fail(f"the request asks for up to {entries} top-logprob entries (top_logprobs_num x tokens); the "
+                  f"server returns at most {self.limits.max_top_logprobs_entries} (--max-top-logprobs-entries)")
 
     def sglang_response(self, req: GenerateRequest, res: GenerateResult, text_in_lp: bool) -> dict:
         """SGLang's /generate reply for one sequence."""
@@ -294,7 +352,7 @@ class _Server:
                 raw["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
         return self.sampling_params(raw, prompt_len, default_max)
 
-    def chat_prompt(self, messages: Any) -> list[int]:
+    async def chat_prompt(self, messages: Any) -> list[int]:
         """Apply the model's chat template (with the generation prompt) and tokenize."""
         if not isinstance(messages, list) or not messages:
             _fail("messages must be a non-empty list")
@@ -311,8 +369,11 @@ class _Server:
             if not isinstance(content, str):
                 _fail(f"messages[{i}].content must be a string or a list of text parts")
             clean.append({"role": m["role"], "content": content})
-        text = self.engine.tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        self.check_batch(len(clean))
+        self.check_text_size([m["content"] for m in clean], "conversation")     # all of it shares one context
+        text = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, clean, tokenize=False,
+                                       add_generation_prompt=True)
+        ids = (await self.encode([text], "chat prompt", add_special_tokens=False))[0]
         if not ids:
             _fail("the chat prompt encodes to no tokens")
         return ids
@@ -368,13 +429,15 @@ def _completion_logprobs(srv: _Server, res: GenerateResult, params: SamplingPara
             "text_offset": offsets}
 
 
-def _completion_prompts(srv: _Server, prompt: Any) -> list[list[int]]:
+async def _completion_prompts(srv: _Server, prompt: Any) -> list[list[int]]:
     """OpenAI ``prompt`` (a string, strings, token ids or lists of them) -> token id lists."""
-    engine, vocab = srv.engine, srv.engine.vocab_size
+    vocab = srv.engine.vocab_size
+    if isinstance(prompt, list):
+        srv.check_batch(len(prompt))
     if isinstance(prompt, str):
-        prompts = [engine.tokenizer.encode(prompt)]
+        prompts = await srv.encode([prompt], "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [engine.tokenizer.encode(p) for p in prompt]
+        prompts = await srv.encode(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         prompts = [_token_ids(p, f"prompt[{i}]", vocab) for i, p in enumerate(prompt)]
     elif isinstance(prompt, list):
@@ -397,6 +460,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ContractError)
     async def _bad_contract(request: Request, exc: ContractError):
         return _error(400, str(exc))
+
+    @app.exception_handler(BadBody)
+    async def _bad_body(request: Request, exc: BadBody):
+        return _error(400, str(exc))
+
+    @app.exception_handler(TooLarge)
+    async def _too_large(request: Request, exc: TooLarge):
+        return _error(413, str(exc), "PayloadTooLarge")
 
     @app.exception_handler(GrammarError)
     async def _bad_grammar(request: Request, exc: GrammarError):
@@ -485,6 +556,11 @@ def _add_admin_routes(app: FastAPI, srv: _Server) -> None:
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             _fail("model_path (a Hugging Face model directory) is required")
+        if not os.path.isdir(path):
+            # Never a hub id: a download from the server stalled generation for 23.6 s and probed DNS.
+            return JSONResponse({"success": False, "num_paused_requests": 0, "weight_version": engine.weight_version,
+                                 "message": "model_path must be a local model directory on the server"},
+                                status_code=400)
         version = body.get("weight_version")
         if version is not None and not isinstance(version, (str, int)):
             _fail("weight_version must be a string")
@@ -515,7 +591,7 @@ def _add_openai_routes(app: FastAPI, srv: _Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json_body(request)
-        ids = srv.chat_prompt(body.get("messages"))
+        ids = await srv.chat_prompt(body.get("messages"))
         params, spec = srv.openai_params(body, len(ids), None)
         want_lp = _bool(body.get("logprobs", False) or False, "logprobs")
         top_n = _int(body.get("top_logprobs") or 0, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -538,13 +614,14 @@ def _add_openai_routes(app: FastAPI, srv: _Server) -> None:
             _fail("echo=true is not supported by the embedded server")
         if body.get("suffix"):
             _fail("suffix is not supported by the embedded server")
-        prompts = _completion_prompts(srv, body.get("prompt"))
+        prompts = await _completion_prompts(srv, body.get("prompt"))
         top_n = body.get("logprobs")
         top_n = None if top_n is None else _int(top_n, "logprobs", 0, MAX_TOP_LOGPROBS)
         reqs, all_params = [], []
         for ids in prompts:
             params, spec = srv.openai_params(body, len(ids), 16)   # OpenAI's default max_tokens
             all_params.append(params)
+            srv.check_top_logprobs(sum((top_n or 0) * p.max_new_tokens for p in all_params))
             reqs.append(GenerateRequest(input_ids=ids, params=params, rid=f"cmpl-{uuid.uuid4().hex}",
                                         return_logprob=top_n is not None, top_logprobs_num=top_n or 0,
                                         grammar=await srv.compile(spec)))
@@ -559,14 +636,16 @@ def _add_openai_routes(app: FastAPI, srv: _Server) -> None:
 
 
 def create_app(model_path: str, *, served_model_name: Optional[str] = None, host: str = "127.0.0.1",
-               port: int = 0, engine: Optional[Engine] = None, **engine_kwargs) -> FastAPI:
+               port: int = 0, engine: Optional[Engine] = None, limits: Limits = Limits(),
+               api_key: Optional[str] = None, admin_api_key: Optional[str] = None, **engine_kwargs) -> FastAPI:
     """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
 
     ``engine_kwargs`` go to :class:`~aflow_rl.serving.engine.Engine` (``dtype``,
-    ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``).
+    ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``);
+    ``limits`` bound each request; ``api_key``/``admin_api_key`` work as SGLang's flags.
     """
     engine = engine or Engine(model_path, **engine_kwargs)
-    srv = _Server(engine, served_model_name or model_path, host, port)
+    srv = _Server(engine, served_model_name or model_path, host, port, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -580,6 +659,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
 
     app = FastAPI(title="aflow_rl embedded server", lifespan=lifespan)
     app.state.server = srv
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_api_key=admin_api_key)
     _add_error_handlers(app)
     _add_info_routes(app, srv, model_path)
     _add_admin_routes(app, srv)
@@ -610,6 +690,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSON grammars allow free whitespace (SGLang's default); off = compact JSON, like "
                          "SGLang's --constrained-json-disable-any-whitespace")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                    help=f"require 'Authorization: Bearer KEY' on every route but /health* (as SGLang); "
+                         f"default ${API_KEY_ENV}, which keeps the key out of the process list")
+    ap.add_argument("--admin-api-key", default=os.environ.get(ADMIN_API_KEY_ENV),
+                    help=f"key for /update_weights_from_disk, /flush_cache, /abort_request (default "
+                         f"${ADMIN_API_KEY_ENV}; unset: --api-key guards them)")
+    d = Limits()
+    ap.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="largest request body (413 over)")
+    ap.add_argument("--max-batch-prompts", type=int, default=d.max_batch_prompts, help="most prompts per request")
+    ap.add_argument("--max-top-logprobs-entries", type=int, default=d.max_top_logprobs_entries,
+                    help="most top_logprobs_num x tokens one request may ask for")
+    ap.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout_s,
+                    help="seconds a request waits for its grammar to compile (400 after)")
+    ap.add_argument("--max-concurrent-compiles", type=int, default=d.max_concurrent_compiles,
+                    help="grammar compilations running at once")
     # auto = uvicorn's standard extras (httptools, uvloop) when installed; h11/asyncio to compare.
     ap.add_argument("--http", dest="http_impl", default="auto", choices=["auto", "h11", "httptools"],
                     help="uvicorn HTTP parser (auto: httptools when installed)")
@@ -634,8 +729,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per weight update would clutter the log
+    limits = Limits(args.max_request_bytes, args.max_batch_prompts, args.max_top_logprobs_entries,
+                    args.grammar_compile_timeout, args.max_concurrent_compiles)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("listening on %s without --api-key: anyone who reaches the port can generate (and, without "
+                    "--admin-api-key, update the weights); see docs/security.md", args.host)
     app = create_app(args.model_path, served_model_name=args.served_model_name, host=args.host, port=args.port,
-                     dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
+                     limits=limits, api_key=args.api_key, admin_api_key=args.admin_api_key, dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
                      threads=args.threads, json_any_whitespace=args.json_any_whitespace,
                      random_seed=args.random_seed)
     # uvicorn's own logs stay at warning: an access line per request would cost throughput.
