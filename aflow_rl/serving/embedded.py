@@ -2,7 +2,9 @@
 
     python -m aflow_rl.serving.embedded --model-path DIR --port P [--host 127.0.0.1]
         [--max-batch-size N] [--context-length N] [--dtype auto|float32|bfloat16]
-        [--threads N] [--served-model-name NAME]
+        [--threads N] [--served-model-name NAME] [--api-key K] [--admin-api-key K]
+        [--max-request-bytes B] [--max-batch-prompts N] [--max-top-logprobs-entries N]
+        [--grammar-compile-timeout S] [--http auto|h11|httptools] [--loop auto|asyncio|uvloop]
 
 The process loads the model before it listens, so ``GET /health`` answers 200 only
 once it can serve (503 if the engine thread has died). Routes, with SGLang's JSON
@@ -10,7 +12,9 @@ shapes: ``/generate`` (single or batched, ``text`` or ``input_ids``), ``/health`
 ``/health_generate``, ``/get_model_info``, ``/get_server_info``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``, and the
 OpenAI-compatible ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
-Bad input gets HTTP 400 with ``{"error": {"message", "type", "code"}}``.
+Bad input gets HTTP 400 with ``{"error": {"message", "type", "code"}}`` (413 for a body
+over the limit). Request checks follow SGLang (serving/contract.py); limits and API keys
+are in serving/guard.py; docs/security.md says what the server exposes.
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Optional
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 
 class TooLarge(ValueError):
