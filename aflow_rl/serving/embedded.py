@@ -326,22 +326,20 @@ class _Server:
         """OpenAI request fields (plus SGLang's extras) -> sampling params and grammar spec."""
         if body.get("stream"):
             _fail("stream=true is not supported by the embedded server")
-        n = body.get("n", 1)
-        if n not in (None, 1):
-            _fail("n must be 1 on the embedded server")
         raw: dict = {}
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None:
             raw["max_new_tokens"] = max_tokens
-        for key in ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "regex",
-                    "skip_special_tokens", "no_stop_trim"):
+        # OpenAI's fields and SGLang's extras on its ChatCompletionRequest, checked by the same contract
+        # as /generate (n, penalties, min_p, logit_bias: their neutral values only).
+        for key in ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "stop_regex", "ignore_eos", "regex",
+                    "ebnf", "skip_special_tokens", "no_stop_trim", "n", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty", "min_p", "logit_bias", "custom_params", "watermark"):
             if body.get(key) is not None:
                 raw[key] = body[key]
-        if body.get("seed") is not None:
-            raw["sampling_seed"] = body["seed"]
-        for key in ("frequency_penalty", "presence_penalty"):
-            if body.get(key) not in (None, 0, 0.0):
-                _fail(f"{key} is not supported by the embedded server")
+        for key, sglang_key in (("seed", "sampling_seed"), ("min_tokens", "min_new_tokens")):
+            if body.get(key) is not None:
+                raw[sglang_key] = body[key]
         fmt = body.get("response_format")
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):

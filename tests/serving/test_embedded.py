@@ -344,6 +344,14 @@ def test_extreme_but_valid_sampling_params_are_served(http, params):
     assert reply["meta_info"]["completion_tokens"] == 3
 
 
+def test_chat_takes_sglang_extras(http):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "n": 1,
+            "frequency_penalty": 0, "ebnf": 'root ::= "yes" | "no"', "stop_regex": ["zzz[0-9]"], "min_tokens": 0}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
 def test_ebnf_grammar(http):
     replies = generate(http, input_ids=[[5, 6], [7, 8]],
                        sampling_params={"ebnf": 'root ::= "ab" | "cd"', "max_new_tokens": 8})
@@ -426,6 +434,10 @@ BAD = [
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4096},
      "context length"),
     ("/v1/completions", {"model": "m", "prompt": [1, 99999]}, "outside the vocabulary"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n=2"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5},
+     "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_regex": "(x"}, "stop_regex"),
     ("/abort_request", {}, "rid"),
     ("/update_weights_from_disk", {}, "model_path"),
 ]
