@@ -21,7 +21,7 @@ TEST_TREES = ("tests",)
 UNDECLARED_OK = {
     "ray": "aflow_rl/bench/rollout_pool.py adds a Ray row only when Ray happens to be installed (find_spec)",
     "aflow_rl_no_such_dependency": "tests/rollout/broken_worker.py: a worker whose import must fail",
-    "sglang": "tests/serving/test_embedded.py runs SGLang's frontend programs when sglang is installed "
+    "sglang": "tests/serving/sglang_reference.py runs SGLang's frontend and auth code when sglang is installed "
               "(pip install --no-deps sglang pybase64 msgspec pyzmq); its declared dependencies are GPU-sized",
 }
 # Calls that import the module named by their first (constant) argument.
