@@ -145,6 +145,37 @@ def test_bad_requests_are_400_and_never_harm_requests_in_flight(http):
     assert _ok(http, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
+ODD_VALUES = [None, True, -1, 0, 2 ** 70, 1e308, "x", "", [], {}, [[]], [None], {"a": 1}, [1, "a"]]
+GENERATE = {"input_ids": [1, 2, 3], "rid": "r1", "return_logprob": True, "logprob_start_len": 1,
+            "top_logprobs_num": 2, "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stop": ["x"],
+                                "stop_token_ids": [3], "stop_regex": ["y"], "ignore_eos": True,
+                                "sampling_seed": 1, "no_stop_trim": False, "skip_special_tokens": True}}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0.5, "top_p": 0.9,
+        "seed": 1, "stop": ["x"], "logprobs": True, "top_logprobs": 2, "n": 1, "response_format": {"type": "text"}}
+
+
+def _variants(body: dict):
+    """``body`` with one field (top level or in sampling_params) replaced by each odd value."""
+    for key in body:
+        for value in ODD_VALUES:
+            yield {**body, key: value}
+    for key in body.get("sampling_params", {}):
+        for value in ODD_VALUES:
+            yield {**body, "sampling_params": {**body["sampling_params"], key: value}}
+
+
+def test_type_confusion_in_any_field_is_a_400_never_a_500(http):
+    seen = set()
+    for route, body in [("/generate", GENERATE), ("/v1/chat/completions", CHAT)]:
+        for variant in _variants(body):
+            r = http.post(route, json=variant)
+            assert r.status_code in (200, 400), (route, variant, r.status_code, r.text[:300])
+            seen.add(r.status_code)
+    assert seen == {200, 400}
+    assert _ok(http, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
 def test_body_over_the_limit_is_413_and_a_prompt_that_cannot_fit_is_refused_before_tokenizing(http):
     r = http.post("/generate", json={"text": "x" * (MAX_BODY + 10)})
     assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
