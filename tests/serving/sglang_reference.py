@@ -24,7 +24,8 @@ def frontend(url: str) -> dict:
     def summary(state) -> dict:
         return {"answer": state["answer"], "answer_tokens": state.get_meta_info("answer")["completion_tokens"],
                 "digits": state["digits"], "pick": state["pick"], "tail": state["tail"],
-                "tail_finish": state.get_meta_info("tail")["finish_reason"]}
+                "tail_finish": state.get_meta_info("tail")["finish_reason"],
+                "tail_tokens": state.get_meta_info("tail")["completion_tokens"]}
 
     first = program.run(question="What is one plus one?")
     again = program.run(question="What is one plus one?")
