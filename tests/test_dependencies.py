@@ -21,6 +21,8 @@ TEST_TREES = ("tests",)
 UNDECLARED_OK = {
     "ray": "aflow_rl/bench/rollout_pool.py adds a Ray row only when Ray happens to be installed (find_spec)",
     "aflow_rl_no_such_dependency": "tests/rollout/broken_worker.py: a worker whose import must fail",
+    "sglang": "tests/serving/sglang_reference.py runs SGLang's frontend and auth code when sglang is installed "
+              "(pip install --no-deps sglang pybase64 msgspec pyzmq); its declared dependencies are GPU-sized",
 }
 # Calls that import the module named by their first (constant) argument.
 _IMPORT_CALLS = {"import_module", "importorskip", "__import__"}

@@ -35,13 +35,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_path: str, threads: Optional[int], log_path: str, timeout_s: float = 120.0):
-    """Launch the embedded server; return (process, base URL) once /health answers 200."""
+def start_server(model_path: str, threads: Optional[int], log_path: str, timeout_s: float = 120.0,
+                 extra_args: tuple[str, ...] = ()):
+    """Launch the embedded server (``extra_args`` appended to its command line); return (process, base URL)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "aflow_rl.serving.embedded", "--model-path", model_path, "--port", str(port),
            "--random-seed", "0"]
     if threads:
         cmd += ["--threads", str(threads)]
+    cmd += list(extra_args)
     log = open(log_path, "w")
     # Dies with this benchmark however it ends (kill -9 included), like the servers ServerManager starts.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent(),
@@ -111,7 +113,8 @@ async def run_level(url: str, concurrency: int, n_requests: int, max_new_tokens:
 
 
 def run(preset: str = "tiny", levels: tuple[int, ...] = (1, 8, 32), max_new_tokens: int = 64,
-        rounds: int = 4, threads: Optional[int] = None, model_path: Optional[str] = None) -> dict:
+        rounds: int = 4, threads: Optional[int] = None, model_path: Optional[str] = None,
+        server_args: tuple[str, ...] = ()) -> dict:
     """Build the model (unless ``model_path``), start the server, measure every level.
 
     Each level runs ``rounds * concurrency`` requests (at least 16), so every client
@@ -125,7 +128,7 @@ def run(preset: str = "tiny", levels: tuple[int, ...] = (1, 8, 32), max_new_toke
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model_path).vocab_size
-        proc, url = start_server(model_path, threads, os.path.join(tmp, "server.log"))
+        proc, url = start_server(model_path, threads, os.path.join(tmp, "server.log"), extra_args=server_args)
         try:
             asyncio.run(run_level(url, 4, 8, 8, vocab, seed=99))          # warm-up: first calls are slower
             results = []
@@ -141,7 +144,8 @@ def run(preset: str = "tiny", levels: tuple[int, ...] = (1, 8, 32), max_new_toke
     by_c = {r["concurrency"]: r["tokens_per_s"] for r in results}
     ratio = by_c[max(levels)] / by_c[min(levels)]
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "preset": preset,
-            "max_new_tokens": max_new_tokens, "server_threads": server["threads"], "levels": results,
+            "max_new_tokens": max_new_tokens, "server_threads": server["threads"], "server_args": list(server_args),
+            "load_avg": os.getloadavg(), "levels": results,
             f"ratio_{max(levels)}_vs_{min(levels)}": ratio}
 
 
@@ -172,9 +176,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=4, help="requests per client at each level")
     ap.add_argument("--threads", type=int, default=None, help="server torch threads (default: the server's)")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    ap.add_argument("--server-args", default="", help="extra server flags, e.g. '--http h11 --loop asyncio'")
     args = ap.parse_args(argv)
     report = run(args.preset, tuple(int(x) for x in args.levels.split(",")), args.max_new_tokens, args.rounds,
-                 args.threads, args.model_path)
+                 args.threads, args.model_path, tuple(args.server_args.split()))
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as fh:

@@ -2,7 +2,9 @@
 
     python -m aflow_rl.serving.embedded --model-path DIR --port P [--host 127.0.0.1]
         [--max-batch-size N] [--context-length N] [--dtype auto|float32|bfloat16]
-        [--threads N] [--served-model-name NAME]
+        [--threads N] [--served-model-name NAME] [--api-key K] [--admin-api-key K]
+        [--max-request-bytes B] [--max-batch-prompts N] [--max-top-logprobs-entries N]
+        [--grammar-compile-timeout S] [--http auto|h11|httptools] [--loop auto|asyncio|uvloop]
 
 The process loads the model before it listens, so ``GET /health`` answers 200 only
 once it can serve (503 if the engine thread has died). Routes, with SGLang's JSON
@@ -10,7 +12,9 @@ shapes: ``/generate`` (single or batched, ``text`` or ``input_ids``), ``/health`
 ``/health_generate``, ``/get_model_info``, ``/get_server_info``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``, and the
 OpenAI-compatible ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
-Bad input gets HTTP 400 with ``{"error": {"message", "type", "code"}}``.
+Bad input gets HTTP 400 with ``{"error": {"message", "type", "code"}}`` (413 for a body
+over the limit). Request checks follow SGLang (serving/contract.py); limits and API keys
+are in serving/guard.py; docs/security.md says what the server exposes.
 """
 from __future__ import annotations
 
@@ -25,7 +29,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -36,65 +39,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from aflow_rl.serving.engine import Engine, GenerateRequest, GenerateResult, RequestError, SamplingParams
+from aflow_rl.serving.contract import (MAX_STOP_COUNT, ContractError, as_bool, as_float, as_int,
+                                      check_generate_fields, check_sampling_keys, fail, stop_regexes, str_list,
+                                      top_k)
 from aflow_rl.serving.grammar import GrammarError, spec_from_params
+from aflow_rl.serving.guard import ApiKeyMiddleware, BadBody, Limits, TooLarge, prompt_bytes_bound, read_json_body
 
 log = logging.getLogger("aflow_rl.serving.embedded")
 
 SERVER_VERSION = "aflow_rl-embedded-0.1"
+API_KEY_ENV = "AFLOW_SERVER_API_KEY"               # read by --api-key's default (and by weight_sync)
+ADMIN_API_KEY_ENV = "AFLOW_SERVER_ADMIN_API_KEY"
 DEFAULT_MAX_NEW_TOKENS = 128          # SGLang's default for /generate
 MAX_TOP_LOGPROBS = 20                 # OpenAI's limit; /generate allows up to the vocabulary
-# Sampling params the engine implements, and those accepted only at their neutral value.
-_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-                  "json_schema", "regex", "skip_special_tokens", "no_stop_trim", "sampling_seed",
-                  "spaces_between_special_tokens"}
-_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-            "min_new_tokens": 0, "n": 1, "ebnf": None, "structural_tag": None, "custom_params": None,
-            "logit_bias": None}
 
 
-# ---- validation helpers ----------------------------------------------------------------------
+# ---- validation helpers (SGLang's contract: aflow_rl/serving/contract.py) -------------------------------
 
-def _fail(message: str) -> None:
-    raise RequestError(message)
-
-
-def _int(value: Any, name: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            _fail(f"{name} must be an integer, got {value!r}")
-    if lo is not None and value < lo:
-        _fail(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        _fail(f"{name} must be <= {hi}, got {value}")
-    return value
-
-
-def _float(value: Any, name: str, lo: Optional[float] = None, hi: Optional[float] = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _fail(f"{name} must be a finite number, got {value!r}")
-    if lo is not None and value < lo:
-        _fail(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        _fail(f"{name} must be <= {hi}, got {value}")
-    return float(value)
-
-
-def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        _fail(f"{name} must be true or false, got {value!r}")
-    return value
-
-
-def _str_list(value: Any, name: str) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value] if value else []
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [s for s in value if s]
-    _fail(f"{name} must be a string or a list of strings, got {value!r}")
+_fail, _int, _float, _bool = fail, as_int, as_float, as_bool
 
 
 def _token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
@@ -109,14 +71,7 @@ def _token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
 
 
 async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"malformed JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
+    return await read_json_body(request, request.app.state.server.limits.max_request_bytes)
 
 
 def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSONResponse:
@@ -129,68 +84,113 @@ def _error(status: int, message: str, err_type: str = "BadRequestError") -> JSON
 class _Server:
     """Per-app state: the engine plus the protocol glue around it."""
 
-    def __init__(self, engine: Engine, served_model_name: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, engine: Engine, served_model_name: str, host: str = "127.0.0.1", port: int = 0,
+                 limits: Limits = Limits()):
         self.engine = engine
         self.served_model_name = served_model_name
         self.host, self.port = host, port
+        self.limits = limits
         self.started = time.time()
+        self.max_prompt_bytes = prompt_bytes_bound(engine.tokenizer, engine.context_length)
+        self._compile_slots = asyncio.Semaphore(limits.max_concurrent_compiles)
+        self._compiling: dict[Any, asyncio.Future] = {}    # spec -> its running compile, shared by repeats
+
+    def check_text_size(self, texts: list[str], what: str) -> None:
+        """Refuse, before tokenizing, texts that together cannot fit the context (guard.prompt_bytes_bound)."""
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if size > self.max_prompt_bytes:
+            _fail(f"the {what} has {size} bytes; more than {self.max_prompt_bytes} bytes cannot fit the "
+                  f"model's context length of {self.engine.context_length} tokens")
+
+    async def encode(self, texts: list[str], what: str = "text", **kwargs) -> list[list[int]]:
+        """Tokenize off the event loop, refusing first any text too long to fit the context."""
+        for t in texts:
+            self.check_text_size([t], what)
+        tok = self.engine.tokenizer
+        return await asyncio.to_thread(lambda: [tok.encode(t, **kwargs) for t in texts])
 
     # -- sampling params --
 
-    def sampling_params(self, raw: Any, prompt_len: int, default_max_new: Optional[int]) -> tuple[SamplingParams, Any]:
-        """Validate SGLang sampling params; returns them and the grammar spec (or None)."""
+    def sampling_params(self, raw: Any, prompt_len: int, default_max: Optional[int]) -> tuple[SamplingParams, Any]:
+        """Validate SGLang sampling params as SGLang does; returns them and the grammar spec (or None)."""
         raw = {} if raw is None else raw
         if not isinstance(raw, dict):
             _fail("sampling_params must be a JSON object")
-        for key, value in raw.items():
-            if key in _SAMPLING_KEYS:
-                continue
-            if key in _NEUTRAL:
-                if value is not None and value != _NEUTRAL[key]:
-                    _fail(f"sampling_params.{key}={value!r} is not supported by the embedded server "
-                          f"(only {_NEUTRAL[key]!r})")
-                continue
-            _fail(f"unknown sampling_params key {key!r}; supported: {sorted(_SAMPLING_KEYS | set(_NEUTRAL))}")
-        ctx = self.engine.context_length
-        if prompt_len >= ctx:
-            _fail(f"the prompt has {prompt_len} tokens; the model's context length is {ctx}")
-        if raw.get("max_new_tokens") is None:
-            max_new = min(default_max_new if default_max_new is not None else ctx, ctx - prompt_len)
-        else:
-            max_new = _int(raw["max_new_tokens"], "max_new_tokens", lo=0)
-            if prompt_len + max_new > ctx:
-                _fail(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
-                      f"You requested a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the "
-                      f"input and {max_new} tokens for the completion.")
-        vocab = self.engine.vocab_size
+        check_sampling_keys(raw)
 
         def get(key: str, default: Any) -> Any:   # SGLang treats an explicit null as "unset"
             value = raw.get(key)
             return default if value is None else value
 
+        max_new = self.max_new_tokens(raw.get("max_new_tokens"), prompt_len, default_max)
         stop_ids = get("stop_token_ids", [])
         if not isinstance(stop_ids, list):
             _fail("stop_token_ids must be a list of token ids")
-        top_k = _int(get("top_k", -1), "top_k", lo=-1)
+        regexes, regex_len = stop_regexes(raw.get("stop_regex"))
         params = SamplingParams(
             max_new_tokens=max_new,
             temperature=_float(get("temperature", 1.0), "temperature", lo=0.0),
-            top_p=_float(get("top_p", 1.0), "top_p", lo=1e-9, hi=1.0),
-            top_k=-1 if top_k == 0 else top_k,
-            stop=_str_list(raw.get("stop"), "stop"),
-            stop_token_ids=[_int(t, "stop_token_ids[]", 0, vocab - 1) for t in stop_ids],
+            top_p=_float(get("top_p", 1.0), "top_p", lo=0.0, hi=1.0, lo_open=True),
+            top_k=top_k(get("top_k", -1), self.engine.vocab_size),
+            stop=str_list(raw.get("stop"), "stop", MAX_STOP_COUNT),
+            stop_token_ids=[_int(t, "stop_token_ids[]", 0, self.engine.vocab_size - 1) for t in stop_ids],
             ignore_eos=_bool(get("ignore_eos", False), "ignore_eos"),
             skip_special_tokens=_bool(get("skip_special_tokens", True), "skip_special_tokens"),
             no_stop_trim=_bool(get("no_stop_trim", False), "no_stop_trim"),
             sampling_seed=None if raw.get("sampling_seed") is None else _int(raw["sampling_seed"], "sampling_seed"),
+            stop_regex=regexes, stop_regex_max_len=regex_len,
         )
+        _bool(get("spaces_between_special_tokens", True), "spaces_between_special_tokens")
         return params, spec_from_params(raw)
 
+    def max_new_tokens(self, value: Any, prompt_len: int, default_max: Optional[int]) -> int:
+        """The output budget: the request's (checked against the context) or what the context leaves."""
+        ctx = self.engine.context_length
+        if prompt_len >= ctx:
+            _fail(f"the prompt has {prompt_len} tokens; the model's context length is {ctx}")
+        if value is None:
+            return min(default_max if default_max is not None else ctx, ctx - prompt_len)
+        max_new = _int(value, "max_new_tokens", lo=0)
+        if prompt_len + max_new > ctx:
+            _fail(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                  f"You requested a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the "
+                  f"input and {max_new} tokens for the completion.")
+        return max_new
+
     async def compile(self, spec) -> Any:
-        """Compile a grammar spec off the event loop; GrammarError -> 400."""
+        """Compile a grammar spec off the event loop within the compile deadline; GrammarError -> 400.
+
+        xgrammar cannot be interrupted, so a compile past the deadline runs on in its thread and
+        keeps its slot until it ends: at most ``max_concurrent_compiles`` threads ever compile,
+        and a repeat of a spec still compiling waits for that one instead of starting another.
+        """
         if spec is None:
             return None
-        return await asyncio.to_thread(self.engine.grammar.compile, spec)
+        backend = self.engine.grammar
+        compiled = backend.cache.get(spec)
+        if compiled is not None:
+            return compiled
+        timeout = self.limits.grammar_compile_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._compile_future(spec)), timeout)
+        except asyncio.TimeoutError:
+            _fail(f"the {spec.kind} did not compile within {timeout:g} s (--grammar-compile-timeout); "
+                  f"simplify it")
+
+    def _compile_future(self, spec) -> asyncio.Future:
+        fut = self._compiling.get(spec)
+        if fut is None:
+            fut = asyncio.ensure_future(self._compile_in_slot(spec))
+            self._compiling[spec] = fut
+            fut.add_done_callback(lambda _: self._compiling.pop(spec, None))
+        return fut
+
+    async def _compile_in_slot(self, spec) -> Any:
+        backend = self.engine.grammar
+        async with self._compile_slots:
+            compiled = await asyncio.to_thread(backend.compile_uncached, spec)
+        backend.cache.put(spec, compiled)
+        return compiled
 
     # -- /generate --
 
@@ -198,6 +198,7 @@ class _Server:
         """SGLang's GenerateReqInput -> engine requests, whether it was a batch, return_text flags."""
         if body.get("stream"):
             _fail("stream=true is not supported by the embedded server")
+        check_generate_fields(body)
         text, input_ids = body.get("text"), body.get("input_ids")
         if text is not None and input_ids is not None:
             _fail("Either text or input_ids should be provided, not both.")
@@ -211,12 +212,14 @@ class _Server:
                 prompts, batch = text, True
             else:
                 _fail("text must be a string or a non-empty list of strings")
-            ids_list = [self.engine.tokenizer.encode(t) for t in prompts]
+            self.check_batch(len(prompts))
+            ids_list = await self.encode(prompts)
             for t, ids in zip(prompts, ids_list):
                 if not ids:
                     _fail(f"text {t!r} encodes to no tokens")
         else:
             if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+                self.check_batch(len(input_ids))
                 ids_list = [_token_ids(x, f"input_ids[{i}]", vocab) for i, x in enumerate(input_ids)]
                 batch = True
             else:
@@ -240,7 +243,7 @@ class _Server:
         starts = per_item("logprob_start_len", -1)
         tops = per_item("top_logprobs_num", 0)
         texts_in_lp = per_item("return_text_in_logprobs", False)
-        reqs = []
+        reqs, entries = [], 0
         for i, ids in enumerate(ids_list):
             params, spec = self.sampling_params(sps[i], len(ids), DEFAULT_MAX_NEW_TOKENS)
             want_lp = _bool(return_lp[i], "return_logprob")
@@ -248,6 +251,9 @@ class _Server:
             if want_lp and start > len(ids):
                 _fail(f"logprob_start_len={start} is higher than the number of input tokens ({len(ids)})")
             top_n = _int(tops[i], "top_logprobs_num", lo=0, hi=vocab)
+            if want_lp:
+                entries += top_n * (params.max_new_tokens + (len(ids) - start if start >= 0 else 0))
+                self.check_top_logprobs(entries)
             rid = rids[i]
             if rid is not None and not isinstance(rid, str):
                 _fail(f"rid must be a string, got {rid!r}")
@@ -256,6 +262,17 @@ class _Server:
                 logprob_start_len=start if want_lp else -1, top_logprobs_num=top_n if want_lp else 0,
                 grammar=await self.compile(spec)))
         return reqs, batch, [bool(t) for t in texts_in_lp]
+
+    def check_batch(self, n: int) -> None:
+        if n > self.limits.max_batch_prompts:
+            _fail(f"the request has {n} prompts; the server takes at most {self.limits.max_batch_prompts} "
+                  f"per request (--max-batch-prompts)")
+
+    def check_top_logprobs(self, entries: int) -> None:
+        """top_logprobs_num x positions bounds the reply: 200 bytes once asked for 32.9 MB."""
+        if entries > self.limits.max_top_logprobs_entries:
+            _fail(f"the request asks for up to {entries} top-logprob entries (top_logprobs_num x tokens); the "
+                  f"server returns at most {self.limits.max_top_logprobs_entries} (--max-top-logprobs-entries)")
 
     def sglang_response(self, req: GenerateRequest, res: GenerateResult, text_in_lp: bool) -> dict:
         """SGLang's /generate reply for one sequence."""
@@ -309,22 +326,20 @@ class _Server:
         """OpenAI request fields (plus SGLang's extras) -> sampling params and grammar spec."""
         if body.get("stream"):
             _fail("stream=true is not supported by the embedded server")
-        n = body.get("n", 1)
-        if n not in (None, 1):
-            _fail("n must be 1 on the embedded server")
         raw: dict = {}
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None:
             raw["max_new_tokens"] = max_tokens
-        for key in ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "regex",
-                    "skip_special_tokens", "no_stop_trim"):
+        # OpenAI's fields and SGLang's extras on its ChatCompletionRequest, checked by the same contract
+        # as /generate (n, penalties, min_p, logit_bias: their neutral values only).
+        for key in ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "stop_regex", "ignore_eos", "regex",
+                    "ebnf", "skip_special_tokens", "no_stop_trim", "n", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty", "min_p", "logit_bias", "custom_params", "watermark"):
             if body.get(key) is not None:
                 raw[key] = body[key]
-        if body.get("seed") is not None:
-            raw["sampling_seed"] = body["seed"]
-        for key in ("frequency_penalty", "presence_penalty"):
-            if body.get(key) not in (None, 0, 0.0):
-                _fail(f"{key} is not supported by the embedded server")
+        for key, sglang_key in (("seed", "sampling_seed"), ("min_tokens", "min_new_tokens")):
+            if body.get(key) is not None:
+                raw[sglang_key] = body[key]
         fmt = body.get("response_format")
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
@@ -339,7 +354,7 @@ class _Server:
                 raw["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
         return self.sampling_params(raw, prompt_len, default_max)
 
-    def chat_prompt(self, messages: Any) -> list[int]:
+    async def chat_prompt(self, messages: Any) -> list[int]:
         """Apply the model's chat template (with the generation prompt) and tokenize."""
         if not isinstance(messages, list) or not messages:
             _fail("messages must be a non-empty list")
@@ -356,8 +371,11 @@ class _Server:
             if not isinstance(content, str):
                 _fail(f"messages[{i}].content must be a string or a list of text parts")
             clean.append({"role": m["role"], "content": content})
-        text = self.engine.tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        self.check_batch(len(clean))
+        self.check_text_size([m["content"] for m in clean], "conversation")     # all of it shares one context
+        text = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, clean, tokenize=False,
+                                       add_generation_prompt=True)
+        ids = (await self.encode([text], "chat prompt", add_special_tokens=False))[0]
         if not ids:
             _fail("the chat prompt encodes to no tokens")
         return ids
@@ -382,34 +400,76 @@ def _finish_type(res: GenerateResult) -> str:
     return res.finish_reason["type"]
 
 
-# ---- the app ---------------------------------------------------------------------------------------
+# ---- OpenAI reply pieces -------------------------------------------------------------------------------
 
-def create_app(model_path: str, *, served_model_name: Optional[str] = None, host: str = "127.0.0.1",
-               port: int = 0, engine: Optional[Engine] = None, **engine_kwargs) -> FastAPI:
-    """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
+def _chat_logprobs(srv: _Server, res: GenerateResult, params: SamplingParams) -> dict:
+    """OpenAI chat ``logprobs``: one entry per content token, with its top alternatives."""
+    content = []
+    for j in range(srv.content_len(res, params)):
+        tok = srv.token_str(res.output_ids[j])
+        entry = {"token": tok, "logprob": res.output_logprobs[j], "bytes": list(tok.encode("utf-8")),
+                 "top_logprobs": []}
+        if res.output_top_logprobs:
+            for lp, t in res.output_top_logprobs[j]:
+                s = srv.token_str(t)
+                entry["top_logprobs"].append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))})
+        content.append(entry)
+    return {"content": content, "refusal": None}
 
-    ``engine_kwargs`` go to :class:`~aflow_rl.serving.engine.Engine` (``dtype``,
-    ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``).
-    """
-    engine = engine or Engine(model_path, **engine_kwargs)
-    srv = _Server(engine, served_model_name or model_path, host, port)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start()
-        log.info("embedded server ready: model=%s context=%d max_batch=%d threads=%d",
-                 model_path, engine.context_length, engine.max_batch_size, engine.threads)
-        try:
-            yield
-        finally:
-            engine.shutdown()
+def _completion_logprobs(srv: _Server, res: GenerateResult, params: SamplingParams, top_n: int) -> dict:
+    """Legacy OpenAI completions ``logprobs``: tokens, their logprobs, top alternatives, text offsets."""
+    n = srv.content_len(res, params)
+    tokens = [srv.token_str(t) for t in res.output_ids[:n]]
+    offsets, pos = [], 0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": res.output_logprobs[:n],
+            "top_logprobs": [{srv.token_str(t): lp for lp, t in e} for e in
+                             (res.output_top_logprobs or [[]] * n)[:n]] if top_n else None,
+            "text_offset": offsets}
 
-    app = FastAPI(title="aflow_rl embedded server", lifespan=lifespan)
-    app.state.server = srv
 
+async def _completion_prompts(srv: _Server, prompt: Any) -> list[list[int]]:
+    """OpenAI ``prompt`` (a string, strings, token ids or lists of them) -> token id lists."""
+    vocab = srv.engine.vocab_size
+    if isinstance(prompt, list):
+        srv.check_batch(len(prompt))
+    if isinstance(prompt, str):
+        prompts = await srv.encode([prompt], "prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = await srv.encode(prompt, "prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_token_ids(p, f"prompt[{i}]", vocab) for i, p in enumerate(prompt)]
+    elif isinstance(prompt, list):
+        prompts = [_token_ids(prompt, "prompt", vocab)]
+    else:
+        _fail("prompt must be a string, a list of strings, or token ids")
+    if any(not p for p in prompts):
+        _fail("prompt encodes to no tokens")
+    return prompts
+
+
+# ---- the app: one function per route group ---------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every client mistake is a 400 with SGLang's error JSON."""
     @app.exception_handler(RequestError)
     async def _bad_request(request: Request, exc: RequestError):
         return _error(400, str(exc))
+
+    @app.exception_handler(ContractError)
+    async def _bad_contract(request: Request, exc: ContractError):
+        return _error(400, str(exc))
+
+    @app.exception_handler(BadBody)
+    async def _bad_body(request: Request, exc: BadBody):
+        return _error(400, str(exc))
+
+    @app.exception_handler(TooLarge)
+    async def _too_large(request: Request, exc: TooLarge):
+        return _error(413, str(exc), "PayloadTooLarge")
 
     @app.exception_handler(GrammarError)
     async def _bad_grammar(request: Request, exc: GrammarError):
@@ -419,7 +479,10 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
     async def _bad_validation(request: Request, exc: RequestValidationError):
         return _error(400, str(exc))
 
-    # -- health and info --
+
+def _add_info_routes(app: FastAPI, srv: _Server, model_path: str) -> None:
+    """``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/v1/models``."""
+    engine = srv.engine
 
     @app.get("/health")
     async def health():
@@ -458,8 +521,20 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
                 "threads": engine.threads, "random_seed": engine.random_seed, "device": "cpu",
                 "grammar_backend": "xgrammar",
                 "constrained_json_disable_any_whitespace": not engine.grammar.any_whitespace,
+                "grammar_cache": engine.grammar.cache.stats(),
                 "weight_version": engine.weight_version, "version": SERVER_VERSION,
                 "uptime_s": time.time() - srv.started, "internal_states": [engine.load()]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": srv.served_model_name, "object": "model",
+                                            "created": int(srv.started), "owned_by": "aflow_rl",
+                                            "root": engine.model_path, "max_model_len": engine.context_length}]}
+
+
+def _add_admin_routes(app: FastAPI, srv: _Server) -> None:
+    """``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``."""
+    engine = srv.engine
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -483,6 +558,11 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             _fail("model_path (a Hugging Face model directory) is required")
+        if not os.path.isdir(path):
+            # Never a hub id: a download from the server stalled generation for 23.6 s and probed DNS.
+            return JSONResponse({"success": False, "num_paused_requests": 0, "weight_version": engine.weight_version,
+                                 "message": "model_path must be a local model directory on the server"},
+                                status_code=400)
         version = body.get("weight_version")
         if version is not None and not isinstance(version, (str, int)):
             _fail("weight_version must be a string")
@@ -496,8 +576,9 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
         return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0,
                              "weight_version": engine.weight_version}, status_code=200 if ok else 400)
 
-    # -- native generation --
 
+def _add_generate_route(app: FastAPI, srv: _Server) -> None:
+    """SGLang's native ``/generate``."""
     @app.post("/generate")
     async def generate(request: Request):
         body = await _json_body(request)
@@ -506,18 +587,13 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
         out = [srv.sglang_response(r, res, t) for r, res, t in zip(reqs, results, text_lp)]
         return JSONResponse(out if batch else out[0])
 
-    # -- OpenAI-compatible --
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": srv.served_model_name, "object": "model",
-                                            "created": int(srv.started), "owned_by": "aflow_rl",
-                                            "root": engine.model_path, "max_model_len": engine.context_length}]}
-
+def _add_openai_routes(app: FastAPI, srv: _Server) -> None:
+    """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions``."""
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json_body(request)
-        ids = srv.chat_prompt(body.get("messages"))
+        ids = await srv.chat_prompt(body.get("messages"))
         params, spec = srv.openai_params(body, len(ids), None)
         want_lp = _bool(body.get("logprobs", False) or False, "logprobs")
         top_n = _int(body.get("top_logprobs") or 0, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -525,19 +601,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
                               return_logprob=want_lp, top_logprobs_num=top_n if want_lp else 0,
                               grammar=await srv.compile(spec))
         res = (await srv.run(request, [req]))[0]
-        logprobs = None
-        if want_lp:
-            content = []
-            for j in range(srv.content_len(res, params)):
-                tok = srv.token_str(res.output_ids[j])
-                entry = {"token": tok, "logprob": res.output_logprobs[j], "bytes": list(tok.encode("utf-8")),
-                         "top_logprobs": []}
-                if res.output_top_logprobs:
-                    for lp, t in res.output_top_logprobs[j]:
-                        s = srv.token_str(t)
-                        entry["top_logprobs"].append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))})
-                content.append(entry)
-            logprobs = {"content": content, "refusal": None}
+        logprobs = _chat_logprobs(srv, res, params) if want_lp else None
         matched = res.finish_reason.get("matched")
         return {"id": res.rid, "object": "chat.completion", "created": int(time.time()),
                 "model": srv.served_model_name,
@@ -552,50 +616,57 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
             _fail("echo=true is not supported by the embedded server")
         if body.get("suffix"):
             _fail("suffix is not supported by the embedded server")
-        prompt = body.get("prompt")
-        vocab = engine.vocab_size
-        if isinstance(prompt, str):
-            prompts = [engine.tokenizer.encode(prompt)]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [engine.tokenizer.encode(p) for p in prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-            prompts = [_token_ids(p, f"prompt[{i}]", vocab) for i, p in enumerate(prompt)]
-        elif isinstance(prompt, list):
-            prompts = [_token_ids(prompt, "prompt", vocab)]
-        else:
-            _fail("prompt must be a string, a list of strings, or token ids")
-        if any(not p for p in prompts):
-            _fail("prompt encodes to no tokens")
+        prompts = await _completion_prompts(srv, body.get("prompt"))
         top_n = body.get("logprobs")
         top_n = None if top_n is None else _int(top_n, "logprobs", 0, MAX_TOP_LOGPROBS)
         reqs, all_params = [], []
         for ids in prompts:
             params, spec = srv.openai_params(body, len(ids), 16)   # OpenAI's default max_tokens
             all_params.append(params)
+            srv.check_top_logprobs(sum((top_n or 0) * p.max_new_tokens for p in all_params))
             reqs.append(GenerateRequest(input_ids=ids, params=params, rid=f"cmpl-{uuid.uuid4().hex}",
                                         return_logprob=top_n is not None, top_logprobs_num=top_n or 0,
                                         grammar=await srv.compile(spec)))
         results = await srv.run(request, reqs)
-        choices = []
-        for i, (res, params) in enumerate(zip(results, all_params)):
-            logprobs = None
-            if top_n is not None:
-                n = srv.content_len(res, params)
-                tokens = [srv.token_str(t) for t in res.output_ids[:n]]
-                offsets, pos = [], 0
-                for s in tokens:
-                    offsets.append(pos)
-                    pos += len(s)
-                logprobs = {"tokens": tokens, "token_logprobs": res.output_logprobs[:n],
-                            "top_logprobs": [{srv.token_str(t): lp for lp, t in e} for e in
-                                             (res.output_top_logprobs or [[]] * n)[:n]] if top_n else None,
-                            "text_offset": offsets}
-            choices.append({"index": i, "text": res.text, "logprobs": logprobs, "finish_reason": _finish_type(res),
-                            "matched_stop": res.finish_reason.get("matched")})
+        choices = [{"index": i, "text": res.text,
+                    "logprobs": None if top_n is None else _completion_logprobs(srv, res, params, top_n),
+                    "finish_reason": _finish_type(res), "matched_stop": res.finish_reason.get("matched")}
+                   for i, (res, params) in enumerate(zip(results, all_params))]
         return {"id": results[0].rid, "object": "text_completion", "created": int(time.time()),
                 "model": srv.served_model_name, "choices": choices, "usage": srv.usage(results),
                 "metadata": {"weight_version": results[0].weight_version}}
 
+
+def create_app(model_path: str, *, served_model_name: Optional[str] = None, host: str = "127.0.0.1",
+               port: int = 0, engine: Optional[Engine] = None, limits: Limits = Limits(),
+               api_key: Optional[str] = None, admin_api_key: Optional[str] = None, **engine_kwargs) -> FastAPI:
+    """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
+
+    ``engine_kwargs`` go to :class:`~aflow_rl.serving.engine.Engine` (``dtype``,
+    ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``);
+    ``limits`` bound each request; ``api_key``/``admin_api_key`` work as SGLang's flags.
+    """
+    engine = engine or Engine(model_path, **engine_kwargs)
+    srv = _Server(engine, served_model_name or model_path, host, port, limits)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        log.info("embedded server ready: model=%s context=%d max_batch=%d threads=%d",
+                 model_path, engine.context_length, engine.max_batch_size, engine.threads)
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="aflow_rl embedded server", lifespan=lifespan)
+    app.state.server = srv
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_api_key=admin_api_key)
+    _add_error_handlers(app)
+    _add_info_routes(app, srv, model_path)
+    _add_admin_routes(app, srv)
+    _add_generate_route(app, srv)
+    _add_openai_routes(app, srv)
     return app
 
 
@@ -621,6 +692,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSON grammars allow free whitespace (SGLang's default); off = compact JSON, like "
                          "SGLang's --constrained-json-disable-any-whitespace")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                    help=f"require 'Authorization: Bearer KEY' on every route but /health* (as SGLang); "
+                         f"default ${API_KEY_ENV}, which keeps the key out of the process list")
+    ap.add_argument("--admin-api-key", default=os.environ.get(ADMIN_API_KEY_ENV),
+                    help=f"key for /update_weights_from_disk, /flush_cache, /abort_request (default "
+                         f"${ADMIN_API_KEY_ENV}; unset: --api-key guards them)")
+    d = Limits()
+    ap.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="largest request body (413 over)")
+    ap.add_argument("--max-batch-prompts", type=int, default=d.max_batch_prompts, help="most prompts per request")
+    ap.add_argument("--max-top-logprobs-entries", type=int, default=d.max_top_logprobs_entries,
+                    help="most top_logprobs_num x tokens one request may ask for")
+    ap.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout_s,
+                    help="seconds a request waits for its grammar to compile (400 after)")
+    ap.add_argument("--max-concurrent-compiles", type=int, default=d.max_concurrent_compiles,
+                    help="grammar compilations running at once")
+    # auto = uvicorn's standard extras (httptools, uvloop) when installed; h11/asyncio to compare.
+    ap.add_argument("--http", dest="http_impl", default="auto", choices=["auto", "h11", "httptools"],
+                    help="uvicorn HTTP parser (auto: httptools when installed)")
+    ap.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                    help="event loop (auto: uvloop when installed)")
     return ap
 
 
@@ -640,13 +731,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per weight update would clutter the log
+    limits = Limits(args.max_request_bytes, args.max_batch_prompts, args.max_top_logprobs_entries,
+                    args.grammar_compile_timeout, args.max_concurrent_compiles)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("listening on %s without --api-key: anyone who reaches the port can generate (and, without "
+                    "--admin-api-key, update the weights); see docs/security.md", args.host)
     app = create_app(args.model_path, served_model_name=args.served_model_name, host=args.host, port=args.port,
-                     dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
+                     limits=limits, api_key=args.api_key, admin_api_key=args.admin_api_key, dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
                      threads=args.threads, json_any_whitespace=args.json_any_whitespace,
                      random_seed=args.random_seed)
     # uvicorn's own logs stay at warning: an access line per request would cost throughput.
     uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.log_level == "debug" else "warning",
-                access_log=False, timeout_graceful_shutdown=5)
+                access_log=False, timeout_graceful_shutdown=5, http=args.http_impl, loop=args.loop)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False          # keep a matched stop string / stop token in ``text``
     sampling_seed: Optional[int] = None
+    stop_regex: list = field(default_factory=list)   # compiled re.Patterns, searched like stop strings
+    stop_regex_max_len: int = 0         # longest text a stop_regex can match (contract.regex_max_len)
 
 
 @dataclass
@@ -156,7 +158,7 @@ class _Seq:
         self.t_admitted = self.t_arrival
         p = req.params
         self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
-        self.max_stop_len = max((len(s) for s in p.stop), default=0)
+        self.max_stop_len = max(max((len(s) for s in p.stop), default=0), p.stop_regex_max_len)
 
 
 class _Batch:
@@ -565,14 +567,18 @@ class Engine:
             seq.finish = {"type": "abort", "message": f"token {token} rejected by the grammar"}
         elif token in seq.stop_ids or (seq.matcher is not None and seq.matcher.is_terminated()):
             seq.finish = {"type": "stop", "matched": token}
-        elif p.stop:
+        elif p.stop or p.stop_regex:
             # Only the tail can hold a new match: the last token plus the longest stop string.
             tail = self.tokenizer.decode(seq.output_ids[-(seq.max_stop_len + 2):],
                                          skip_special_tokens=p.skip_special_tokens)
             for s in p.stop:
                 if s in tail:
                     seq.finish = {"type": "stop", "matched": s}
-                    break
+                    return
+            for rx in p.stop_regex:            # SGLang: finish_reason {"type": "stop", "matched": pattern}
+                if rx.search(tail):
+                    seq.finish = {"type": "stop", "matched": rx.pattern}
+                    return
 
     # ---- results -----------------------------------------------------------------------
 

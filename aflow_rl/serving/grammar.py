@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -36,7 +38,7 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What a request constrains its output to: ``kind`` is ``json_schema`` or ``regex``."""
+    """What a request constrains its output to: ``kind`` is ``json_schema``, ``regex`` or ``ebnf``."""
 
     kind: str
     value: str
@@ -49,28 +51,30 @@ class GrammarSpec:
 GrammarLike = Union[GrammarSpec, Mapping[str, Any], "xgr.CompiledGrammar"]
 
 
-def spec_from_params(params: Mapping[str, Any] | None) -> GrammarSpec | None:
-    """Read ``json_schema`` / ``regex`` from SGLang sampling params (or a stored spec dict).
+_GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
-    A ``json_schema`` may be a JSON string (SGLang's form) or an already parsed dict.
-    Raises :class:`GrammarError` when both are set or a value has the wrong type.
+
+def spec_from_params(params: Mapping[str, Any] | None) -> GrammarSpec | None:
+    """Read ``json_schema`` / ``regex`` / ``ebnf`` from SGLang sampling params (or a stored spec dict).
+
+    A ``json_schema`` may be a JSON string (SGLang's form) or an already parsed dict; an
+    empty string means unset, as in SGLang. Raises :class:`GrammarError` when more than
+    one is set or a value has the wrong type.
     """
     if not params:
         return None
-    schema, regex = params.get("json_schema"), params.get("regex")
-    if schema is not None and regex is not None:
-        raise GrammarError("set only one of json_schema and regex")
-    if schema is not None:
-        if isinstance(schema, (dict, bool)):
-            schema = json.dumps(schema)
-        if not isinstance(schema, str):
-            raise GrammarError(f"json_schema must be a JSON string, got {type(schema).__name__}")
-        return GrammarSpec("json_schema", schema)
-    if regex is not None:
-        if not isinstance(regex, str):
-            raise GrammarError(f"regex must be a string, got {type(regex).__name__}")
-        return GrammarSpec("regex", regex)
-    return None
+    given = {k: params.get(k) for k in _GRAMMAR_KINDS if params.get(k) not in (None, "")}
+    if len(given) > 1:
+        raise GrammarError(f"set only one of json_schema, regex and ebnf (got {', '.join(given)})")
+    if not given:
+        return None
+    kind, value = next(iter(given.items()))
+    if kind == "json_schema" and isinstance(value, (dict, bool)):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise GrammarError(f"{kind} must be a {'JSON ' if kind == 'json_schema' else ''}string, "
+                           f"got {type(value).__name__}")
+    return GrammarSpec(kind, value)
 
 
 class GrammarBackend:
@@ -81,8 +85,11 @@ class GrammarBackend:
     """
 
     def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: Sequence[int] | None = None,
-                 any_whitespace: bool = False, max_threads: int = 2):
+                 any_whitespace: bool = False, max_threads: int = 2, cache_size: int = 256):
         self.vocab_size = int(vocab_size)
+        # Compiled grammars by (kind, text): the agent's requests repeat a handful of schemas, and
+        # from_json_schema + the strict-strings rewrite + compile took 11% of the server's time.
+        self.cache = CompiledCache(cache_size)
         self.any_whitespace = any_whitespace
         stop = sorted(set(int(t) for t in stop_token_ids)) if stop_token_ids else None
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
@@ -95,21 +102,31 @@ class GrammarBackend:
         return _cached_backend(model_path, any_whitespace)
 
     def compile(self, grammar: GrammarLike) -> "xgr.CompiledGrammar":
-        """Compile a spec (cached by xgrammar); raises :class:`GrammarError` with the compiler's message."""
+        """Compile a spec, or take it from the LRU cache; raises :class:`GrammarError` with the compiler's message."""
         if isinstance(grammar, xgr.CompiledGrammar):
             return grammar
         spec = grammar if isinstance(grammar, GrammarSpec) else spec_from_params(grammar)
         if spec is None:
-            raise GrammarError("no json_schema or regex given")
+            raise GrammarError("no json_schema, regex or ebnf given")
+        compiled = self.cache.get(spec)
+        if compiled is None:
+            compiled = self.compile_uncached(spec)
+            self.cache.put(spec, compiled)
+        return compiled
+
+    def compile_uncached(self, spec: GrammarSpec) -> "xgr.CompiledGrammar":
+        """Compile ``spec`` now, bypassing the cache (the server adds a deadline around this)."""
         try:
             if spec.kind == "json_schema":
                 grammar = xgr.Grammar.from_json_schema(spec.value, any_whitespace=self.any_whitespace)
                 return self.compiler.compile_grammar(strict_json_strings(str(grammar)))
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.value)
+            if spec.kind == "ebnf":
+                return self.compiler.compile_grammar(spec.value)
         except Exception as exc:  # xgrammar raises RuntimeError / InvalidJSONError with the reason
             raise GrammarError(f"invalid {spec.kind}: {exc}") from exc
-        raise GrammarError(f"unknown grammar kind {spec.kind!r}; use json_schema or regex")
+        raise GrammarError(f"unknown grammar kind {spec.kind!r}; use json_schema, regex or ebnf")
 
     def matcher(self, compiled: "xgr.CompiledGrammar") -> "xgr.GrammarMatcher":
         """A fresh per-sequence matcher; it terminates once it accepts a stop token."""
@@ -118,6 +135,46 @@ class GrammarBackend:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 bitmask ``[rows, ceil(V/32)]`` for ``fill_next_token_bitmask``."""
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+
+class CompiledCache:
+    """A thread-safe bounded LRU of compiled grammars keyed by :class:`GrammarSpec`, with hit counters.
+
+    Failed compilations are not cached (they raise before ``put``); the lock guards only the
+    dictionary, so two threads missing on the same spec may both compile it once.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = max(0, int(capacity))
+        self.hits = self.misses = 0
+        self._items: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, spec: GrammarSpec) -> Any:
+        with self._lock:
+            compiled = self._items.get(spec)
+            if compiled is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(spec)
+            self.hits += 1
+            return compiled
+
+    def put(self, spec: GrammarSpec, compiled: Any) -> None:
+        with self._lock:
+            if self.capacity == 0:
+                return
+            self._items[spec] = compiled
+            self._items.move_to_end(spec)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "size": len(self._items), "capacity": self.capacity}
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def strict_json_strings(ebnf: str) -> str:

@@ -3,8 +3,10 @@
 Logprobs are checked against an independent transformers forward pass on the
 same weights (fp32): log_softmax(mask(logits) / T) of every sampled token.
 """
+import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -49,7 +51,7 @@ def server(tiny_model_dir, tmp_path_factory):
                                  "--port", str(port), "--random-seed", "0", "--max-batch-size", "64"],
                                 stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 180   # a loaded 2-core box needs minutes to import torch
     try:
         while True:
             if proc.poll() is not None:
@@ -60,7 +62,7 @@ def server(tiny_model_dir, tmp_path_factory):
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after 90 s:\n{log_path.read_text()[-3000:]}")
+                pytest.fail(f"server not healthy after 180 s:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.2)
         yield url
     finally:
@@ -240,6 +242,22 @@ def test_json_schema_samples_all_validate(http):
     assert len({r["text"] for r in replies}) > 5   # sampled, not one fixed answer
 
 
+def test_second_request_with_the_same_schema_hits_the_grammar_cache(http):
+    schema = json.dumps({"type": "object", "properties": {"cache_probe": {"type": "integer"}},
+                         "required": ["cache_probe"]})
+
+    def cache():
+        return http.get("/get_server_info").json()["grammar_cache"]
+
+    before = cache()
+    generate(http, input_ids=[5, 6], sampling_params={"max_new_tokens": 4, "json_schema": schema})
+    mid = cache()
+    assert (mid["misses"], mid["hits"]) == (before["misses"] + 1, before["hits"])
+    generate(http, input_ids=[5, 7], sampling_params={"max_new_tokens": 4, "json_schema": schema})
+    after = cache()
+    assert (after["misses"], after["hits"]) == (mid["misses"], mid["hits"] + 1)
+
+
 def test_regex_constrained_output(http, tok):
     replies = generate(http, text=["Answer: ", "Is it?"], sampling_params={"regex": "(yes|no)", "max_new_tokens": 8})
     for reply in replies:
@@ -301,6 +319,71 @@ def test_stop_strings_stop_token_ids_and_length(http, tok):
     assert len(reply["output_ids"]) <= len(out)
 
 
+def test_stop_regex_stops_where_the_pattern_first_matches(http, tok):
+    free = generate(http, input_ids=[11, 12, 13], sampling_params={"max_new_tokens": 16, "temperature": 0,
+                                                                    "ignore_eos": True})["output_ids"]
+    texts = [tok.decode(free[:j]) for j in range(len(free) + 1)]
+    piece = texts[8][len(texts[6]):]                       # the text of tokens 6..7
+    pattern = "(?:" + re.escape(piece) + ")|QQQ[0-9]"
+    expected = next(j for j in range(1, len(free) + 1) if re.search(pattern, texts[j]))
+    reply = generate(http, input_ids=[11, 12, 13], sampling_params={
+        "max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "stop_regex": [pattern]})
+    assert reply["output_ids"] == free[:expected]
+    assert reply["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    # SGLang's detokenizer trims at output.find(matched): the pattern's literal text, rarely present.
+    full = texts[expected]
+    assert reply["text"] == (full[:full.find(pattern)] if pattern in full else full)
+
+
+@pytest.mark.parametrize("params", [
+    {"top_k": 10 ** 18, "sampling_seed": 2 ** 63 - 1},
+    {"top_k": -1, "sampling_seed": -(2 ** 63), "min_p": 0.0, "n": 1, "stop_regex": [], "stream_interval": 3,
+     "custom_params": {"a": 1}, "logit_bias": {}, "ebnf": ""},
+])
+def test_extreme_but_valid_sampling_params_are_served(http, params):
+    reply = generate(http, input_ids=[3, 4], sampling_params={"max_new_tokens": 3, "ignore_eos": True, **params})
+    assert reply["meta_info"]["completion_tokens"] == 3
+
+
+def test_chat_takes_sglang_extras(http):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "n": 1,
+            "frequency_penalty": 0, "ebnf": 'root ::= "yes" | "no"', "stop_regex": ["zzz[0-9]"], "min_tokens": 0}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_ebnf_grammar(http):
+    replies = generate(http, input_ids=[[5, 6], [7, 8]],
+                       sampling_params={"ebnf": 'root ::= "ab" | "cd"', "max_new_tokens": 8})
+    assert {r["text"] for r in replies} <= {"ab", "cd"}
+
+
+def test_sglang_frontend_programs(server):
+    """SGLang's own frontend (sgl.gen with stop/regex/max_tokens/temperature/stop_regex, sgl.select,
+    run_batch) against the server, in a subprocess: importing sglang patches transformers."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang's frontend is not installed: pip install --no-deps sglang pybase64 msgspec pyzmq")
+    script = os.path.join(os.path.dirname(__file__), "sglang_reference.py")
+    proc = subprocess.run([sys.executable, script, "frontend", server], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    first = out["first"]
+    assert "\n" not in first["answer"] and "." not in first["answer"]
+    assert first["answer_tokens"] <= 12
+    assert out["again"]["answer"] == first["answer"]                  # temperature 0 is greedy
+    for run in [first, out["again"], *out["batch"]]:
+        assert re.fullmatch(r"[0-9]{3}", run["digits"]), run
+        assert run["pick"] in ("yes", "no", "maybe")
+        # stop_regex [0-9]: a digit ends the generation, unless it came with the last allowed token
+        # (the length check comes first, as in SGLang); the exact position is test_stop_regex_stops_...
+        if run["tail_finish"]["type"] == "stop":
+            assert run["tail_finish"]["matched"] == "[0-9]" and re.search(r"[0-9]", run["tail"]), run
+        else:
+            assert run["tail_finish"]["type"] == "length" and run["tail_tokens"] == 6, run
+    assert len(out["batch"]) == 3
+
+
 def test_abort_request(http, server):
     result = {}
 
@@ -340,12 +423,19 @@ BAD = [
     ("/generate", {"text": "a", "sampling_params": {"regex": "(open"}}, "regex"),
     ("/generate", {"text": "a", "sampling_params": {"temperature": -0.5}}, "temperature"),
     ("/generate", {"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
+    ("/generate", {"text": "a", "sampling_params": {"stop_regex": "(open"}}, "invalid stop_regex"),
+    ("/generate", {"text": "a", "sampling_params": {"min_p": 0.5}}, "min_p"),
+    ("/generate", {"text": "a", "image_data": "http://example.com/x.png"}, "image_data"),
     ("/generate", {"text": "a", "return_logprob": True, "logprob_start_len": 9}, "logprob_start_len"),
     ("/generate", [1, 2, 3], "JSON object"),
     ("/v1/chat/completions", {"model": "m", "messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4096},
      "context length"),
     ("/v1/completions", {"model": "m", "prompt": [1, 99999]}, "outside the vocabulary"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n=2"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5},
+     "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_regex": "(x"}, "stop_regex"),
     ("/abort_request", {}, "rid"),
     ("/update_weights_from_disk", {}, "model_path"),
 ]

@@ -97,3 +97,33 @@ def test_json_strings_refuse_control_characters_and_surrogates(backend, tok):
         with pytest.raises(ValueError):                   # \xed\xa2.. would be a surrogate
             grammar_masks({"json_schema": schema}, prefix + [_byte_token(tok, 0xED), _byte_token(tok, 0xA2)],
                           backend=backend)
+
+
+def test_compiled_grammars_are_cached_by_spec_and_evicted_lru(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    b = GrammarBackend(tok, len(tok), cache_size=2)
+    schema = json.dumps(SCHEMA)
+    first = b.compile({"json_schema": schema})
+    assert b.cache.stats() == {"hits": 0, "misses": 1, "size": 1, "capacity": 2}
+    assert b.compile(GrammarSpec("json_schema", schema)) is first          # same text: the same object
+    assert b.cache.hits == 1
+    b.compile({"regex": "(yes|no)"})
+    b.compile({"json_schema": schema})                                      # refreshes the schema's recency
+    b.compile({"regex": "[0-9]+"})                                          # evicts (yes|no), the oldest
+    assert b.cache.stats()["size"] == 2
+    misses = b.cache.misses
+    b.compile({"regex": "(yes|no)"})
+    assert b.cache.misses == misses + 1
+    assert b.compile({"json_schema": schema}) is not None
+    # A kind is part of the key: the same text as a regex is a different grammar.
+    assert GrammarSpec("regex", schema) != GrammarSpec("json_schema", schema)
+
+
+def test_failed_compilations_are_not_cached(backend):
+    size = len(backend.cache)
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            backend.compile({"regex": "(unclosed"})
+    assert len(backend.cache) == size
