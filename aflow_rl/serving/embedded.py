@@ -1,4 +1,4 @@
-"""The embedded CPU inference server: SGLang's HTTP API over :class:`~aflow_rl.serving.engine.Engine`.
+"""The embedded CPU inference server: SGLang's HTTP API over :class:`~aflow_rl.serving.generation.Engine`.
 
     python -m aflow_rl.serving.embedded --model-path DIR --port P [--host 127.0.0.1]
         [--max-batch-size N] [--context-length N] [--dtype auto|float32|bfloat16]
@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from aflow_rl.serving.engine import Engine, GenerateRequest, GenerateResult, RequestError, SamplingParams
+from aflow_rl.serving.generation import Engine, GenerateRequest, GenerateResult, RequestError, SamplingParams
 from aflow_rl.serving.grammar import GrammarError, spec_from_params
 
 log = logging.getLogger("aflow_rl.serving.embedded")
@@ -388,7 +388,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
                port: int = 0, engine: Optional[Engine] = None, **engine_kwargs) -> FastAPI:
     """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
 
-    ``engine_kwargs`` go to :class:`~aflow_rl.serving.engine.Engine` (``dtype``,
+    ``engine_kwargs`` go to :class:`~aflow_rl.serving.generation.Engine` (``dtype``,
     ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``).
     """
     engine = engine or Engine(model_path, **engine_kwargs)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from aflow_rl.logprobs import is_greedy, policy_logprobs
 from aflow_rl.serving.grammar import GrammarBackend, eos_token_ids, mask_logits_, unpack_bitmask
 
-log = logging.getLogger("aflow_rl.serving.engine")
+log = logging.getLogger("aflow_rl.serving.generation")
 
 # Config fields two checkpoints must share for a hot weight swap.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
