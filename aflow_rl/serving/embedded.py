@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from aflow_rl.serving.generation import Engine, GenerateRequest, GenerateResult, RequestError, SamplingParams
 from aflow_rl.serving.grammar import GrammarError, spec_from_params
+from aflow_rl.serving import streaming
 
 log = logging.getLogger("aflow_rl.serving.embedded")
 
@@ -265,7 +266,7 @@ class _Server:
             "finish_reason": res.finish_reason,
             "prompt_tokens": len(res.prompt_ids),
             "completion_tokens": len(res.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": res.cached_tokens,
             "weight_version": res.weight_version,
             "e2e_latency": res.e2e_latency,
             "queue_time": res.queue_time,
@@ -463,7 +464,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        # There is no prefix cache to flush: every request's KV lives only while it runs.
+        engine.flush_cache()   # the prefix cache; running requests keep their own KV
         return PlainTextResponse("Cache flushed.\n", status_code=200)
 
     @app.post("/abort_request")
@@ -501,6 +502,8 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
     @app.post("/generate")
     async def generate(request: Request):
         body = await _json_body(request)
+        if streaming.fans_out(body, "generate"):   # n > 1 or stream: true
+            return await streaming.generate(srv, request, body)
         reqs, batch, text_lp = await srv.parse_generate(body)
         results = await srv.run(request, reqs)
         out = [srv.sglang_response(r, res, t) for r, res, t in zip(reqs, results, text_lp)]
@@ -517,6 +520,8 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json_body(request)
+        if streaming.fans_out(body, "chat"):   # n > 1 or stream: true
+            return await streaming.chat(srv, request, body, MAX_TOP_LOGPROBS)
         ids = srv.chat_prompt(body.get("messages"))
         params, spec = srv.openai_params(body, len(ids), None)
         want_lp = _bool(body.get("logprobs", False) or False, "logprobs")
@@ -525,24 +530,8 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
                               return_logprob=want_lp, top_logprobs_num=top_n if want_lp else 0,
                               grammar=await srv.compile(spec))
         res = (await srv.run(request, [req]))[0]
-        logprobs = None
-        if want_lp:
-            content = []
-            for j in range(srv.content_len(res, params)):
-                tok = srv.token_str(res.output_ids[j])
-                entry = {"token": tok, "logprob": res.output_logprobs[j], "bytes": list(tok.encode("utf-8")),
-                         "top_logprobs": []}
-                if res.output_top_logprobs:
-                    for lp, t in res.output_top_logprobs[j]:
-                        s = srv.token_str(t)
-                        entry["top_logprobs"].append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))})
-                content.append(entry)
-            logprobs = {"content": content, "refusal": None}
-        matched = res.finish_reason.get("matched")
         return {"id": res.rid, "object": "chat.completion", "created": int(time.time()),
-                "model": srv.served_model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
-                             "logprobs": logprobs, "finish_reason": _finish_type(res), "matched_stop": matched}],
+                "model": srv.served_model_name, "choices": [streaming.chat_choice(srv, res, params, want_lp)],
                 "usage": srv.usage([res]), "metadata": {"weight_version": res.weight_version}}
 
     @app.post("/v1/completions")
@@ -620,6 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json-any-whitespace", action="store_true",
                     help="JSON grammars allow free whitespace (SGLang's default); off = compact JSON, like "
                          "SGLang's --constrained-json-disable-any-whitespace")
+    ap.add_argument("--disable-radix-cache", action="store_true",
+                    help="no prefix cache (SGLang's flag); outputs are identical either way, only slower")
+    ap.add_argument("--prefill-chunk", type=int, default=32,
+                    help="tokens per prefill forward and the prefix cache's granularity")
+    ap.add_argument("--prefix-cache-tokens", type=int, default=65536,
+                    help="the prefix cache's budget in tokens (least recently used chunks go first)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap
 
@@ -637,13 +632,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not os.path.isdir(args.model_path):
         raise SystemExit(f"--model-path {args.model_path!r} is not a directory")
+    if args.prefill_chunk < 1 or args.prefix_cache_tokens < 0:
+        raise SystemExit("--prefill-chunk must be >= 1 and --prefix-cache-tokens >= 0")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per weight update would clutter the log
     app = create_app(args.model_path, served_model_name=args.served_model_name, host=args.host, port=args.port,
                      dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
                      threads=args.threads, json_any_whitespace=args.json_any_whitespace,
-                     random_seed=args.random_seed)
+                     random_seed=args.random_seed, prefix_cache=not args.disable_radix_cache,
+                     prefill_chunk=args.prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens)
     # uvicorn's own logs stay at warning: an access line per request would cost throughput.
     uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.log_level == "debug" else "warning",
                 access_log=False, timeout_graceful_shutdown=5)

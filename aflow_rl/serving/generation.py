@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from aflow_rl.logprobs import is_greedy, policy_logprobs
 from aflow_rl.serving.grammar import GrammarBackend, eos_token_ids, mask_logits_, unpack_bitmask
+from aflow_rl.serving.prefix_cache import PrefixCache
 
 log = logging.getLogger("aflow_rl.serving.generation")
 
@@ -91,6 +92,7 @@ class GenerateResult:
     weight_version: str
     e2e_latency: float
     queue_time: float
+    cached_tokens: int = 0                           # prompt tokens whose KV came from the prefix cache
 
 
 def resolve_dtype(name: str, config) -> torch.dtype:
@@ -138,11 +140,13 @@ def check_compatible(old_model, new_model) -> Optional[str]:
 class _Seq:
     """Per-request decoding state while it waits or runs."""
 
-    __slots__ = ("req", "callback", "matcher", "generator", "output_ids", "logprobs", "top", "input_lp",
-                 "input_top", "finish", "delivered", "t_arrival", "t_admitted", "stop_ids", "max_stop_len")
+    __slots__ = ("req", "callback", "on_token", "matcher", "generator", "output_ids", "logprobs", "top",
+                 "input_lp", "input_top", "finish", "delivered", "t_arrival", "t_admitted", "stop_ids",
+                 "max_stop_len", "cached_tokens")
 
-    def __init__(self, req: GenerateRequest, callback, eos_ids: set[int]):
-        self.req, self.callback = req, callback
+    def __init__(self, req: GenerateRequest, callback, eos_ids: set[int], on_token=None):
+        self.req, self.callback, self.on_token = req, callback, on_token
+        self.cached_tokens = 0
         self.matcher = None
         self.generator = None
         self.output_ids: list[int] = []
@@ -187,13 +191,18 @@ class Engine:
         json_any_whitespace: let JSON grammars allow free whitespace (SGLang's default);
             off by default, see :mod:`aflow_rl.serving.grammar`.
         random_seed: seed of the shared sampling generator.
-        max_prefill_tokens: cap on padded prompt tokens prefilled in one forward.
+        max_prefill_tokens: cap on prompt tokens admitted in one prefill round.
+        prefix_cache: keep prompt KV for reuse by later requests sharing a prefix
+            (:mod:`aflow_rl.serving.prefix_cache`); outputs are identical either way.
+        prefill_chunk: tokens per prefill forward, also the cache's granularity.
+        prefix_cache_tokens: the cache's budget in tokens (LRU eviction beyond it).
     """
 
     def __init__(self, model_path: str, *, dtype: str = "auto", max_batch_size: int = 64,
                  context_length: Optional[int] = None, threads: Optional[int] = None,
                  json_any_whitespace: bool = False, random_seed: Optional[int] = None,
-                 max_prefill_tokens: int = 16384):
+                 max_prefill_tokens: int = 16384, prefix_cache: bool = True, prefill_chunk: int = 32,
+                 prefix_cache_tokens: int = 65536):
         from transformers import AutoTokenizer
 
         self.threads = threads or min(2, os.cpu_count() or 1)
@@ -217,6 +226,11 @@ class Engine:
         self.random_seed = random_seed if random_seed is not None else int.from_bytes(os.urandom(4), "little")
         self._rng = torch.Generator().manual_seed(self.random_seed)
         self.weight_version = "default"
+        if int(prefill_chunk) < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
+        self.prefill_chunk = int(prefill_chunk)
+        # The chunked prefill below runs with the cache off too (parity); only lookups and inserts stop.
+        self.prefix_cache = PrefixCache(self.prefill_chunk, prefix_cache_tokens) if prefix_cache else None
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: list[_Seq] = []
@@ -226,7 +240,8 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.stats = {"requests": 0, "generated_tokens": 0, "decode_steps": 0, "prefills": 0,
-                      "max_running": 0, "errors": 0}
+                      "max_running": 0, "errors": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                      "prefill_forwards": 0}
 
     # ---- thread-safe API -------------------------------------------------------------
 
@@ -249,9 +264,23 @@ class Engine:
         """Whether the engine thread is running."""
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, req: GenerateRequest, callback: Callable[[GenerateResult], None]) -> None:
-        """Queue ``req``; ``callback(result)`` runs on the engine thread when it finishes."""
-        self._inbox.put(("generate", req, callback))
+    def submit(self, req: GenerateRequest, callback: Callable[[GenerateResult], None],
+               on_token: Optional[Callable[[list, list, Optional[list]], None]] = None) -> None:
+        """Queue ``req``; ``callback(result)`` runs on the engine thread when it finishes.
+
+        ``on_token(output_ids, logprobs, top_logprobs)`` (copies, so far) runs on the engine
+        thread after every sampled token but the last, for streaming.
+        """
+        self._inbox.put(("generate", [(req, callback, on_token)]))
+
+    def submit_many(self, items: list[tuple]) -> None:
+        """Queue several ``(req, callback, on_token)`` at once: the engine admits them in one
+        round, in order, so ``n > 1`` copies of a prompt share its prefill through the cache."""
+        self._inbox.put(("generate", list(items)))
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (on the engine thread, between steps)."""
+        self._inbox.put(("flush",))
 
     def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
         """Abort the request with id ``rid`` (or every request); it finishes with type ``abort``."""
@@ -268,8 +297,11 @@ class Engine:
 
     def load(self) -> dict:
         """Queue and batch sizes, for /get_server_info."""
+        cache = self.prefix_cache
+        hit = self.stats["cached_tokens"] / self.stats["prompt_tokens"] if self.stats["prompt_tokens"] else 0.0
         return {"running": len(self._batch) if self._batch else 0, "waiting": len(self._waiting),
-                **self.stats}
+                **self.stats, "prefix_cache": cache is not None, "prefix_cache_hit_rate": hit,
+                "prefix_cache_tokens": cache.tokens if cache else 0}
 
     # ---- engine thread ---------------------------------------------------------------
 
@@ -302,9 +334,12 @@ class Engine:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "generate":
-            _, req, callback = item
-            self.stats["requests"] += 1
-            self._waiting.append(_Seq(req, callback, self.eos_ids))
+            for req, callback, on_token in item[1]:
+                self.stats["requests"] += 1
+                self._waiting.append(_Seq(req, callback, self.eos_ids, on_token))
+        elif kind == "flush":
+            if self.prefix_cache is not None:
+                log.info("prefix cache flushed (%d tokens)", self.prefix_cache.flush())
         elif kind == "abort":
             _, rid, abort_all = item
             self._abort(rid, abort_all, "Aborted by /abort_request")
@@ -372,54 +407,99 @@ class Engine:
     # ---- model calls -----------------------------------------------------------------
 
     def _prefill(self, seqs: list[_Seq]) -> None:
-        """Run the prompts of ``seqs`` together, sample their first tokens, join the batch."""
+        """Prefill the prompts of ``seqs`` one by one, sample their first tokens, join the batch."""
         self.stats["prefills"] += 1
-        lens = [len(s.req.input_ids) for s in seqs]
-        b, S = len(seqs), max(lens)
-        ids = torch.full((b, S), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((b, S), dtype=torch.long)
-        for r, (seq, n) in enumerate(zip(seqs, lens)):
-            ids[r, S - n:] = torch.tensor(seq.req.input_ids, dtype=torch.long)
-            mask[r, S - n:] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)                          # [b, S]
-        wants_prompt = [s.req.return_logprob and 0 <= s.req.logprob_start_len < n for s, n in zip(seqs, lens)]
-        cont = [r for r, s in enumerate(seqs) if s.req.params.max_new_tokens > 0]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=bool(cont),
-                         logits_to_keep=0 if any(wants_prompt) else 1)
-        logits = out.logits                                              # [b, S or 1, V]
-        for r, seq in enumerate(seqs):
-            if wants_prompt[r]:
-                self._prompt_logprobs(seq, logits[r, S - lens[r]:].float())
-        for r, seq in enumerate(seqs):
-            if r not in cont:  # prefill-only request
+        caches, last = [], []
+        for seq in seqs:
+            cache, logits = self._prefill_one(seq)
+            caches.append(cache)
+            last.append(logits)
+        for seq in seqs:
+            if seq.req.params.max_new_tokens <= 0:   # prefill-only request
                 seq.finish = {"type": "length", "length": 0}
                 self._deliver(seq)
+        cont = [r for r, s in enumerate(seqs) if s.req.params.max_new_tokens > 0]
         if not cont:
             return
         rows = [seqs[r] for r in cont]
-        tokens = self._sample(rows, logits[cont, -1].float())
-        keep = [i for i, s in enumerate(rows) if s.finish is None]
+        tokens = self._sample(rows, torch.stack([last[r] for r in cont]))
         for s in rows:
             if s.finish is not None:
                 self._deliver(s)
+        keep = [i for i, s in enumerate(rows) if s.finish is None]
         if not keep:
             return
-        keep_rows = torch.tensor([cont[i] for i in keep], dtype=torch.long)
-        cache = out.past_key_values
-        if len(keep) != b:
-            cache.batch_select_indices(keep_rows)
-        new = _Batch([rows[i] for i in keep], cache, mask[keep_rows], mask[keep_rows].sum(-1),
-                     tokens[torch.tensor(keep, dtype=torch.long)])
+        new = self._stack([rows[i] for i in keep], [caches[cont[i]] for i in keep],
+                          tokens[torch.tensor(keep, dtype=torch.long)])
         self._batch = new if self._batch is None else self._merge(self._batch, new)
         self._trim()
         self.stats["max_running"] = max(self.stats["max_running"], len(self._batch))
 
-    def _prompt_logprobs(self, seq: _Seq, logits: torch.Tensor) -> None:
-        """Prompt logprobs from ``logprob_start_len`` on; ``logits`` is ``[n, V]`` for the prompt."""
+    def _prefill_one(self, seq: _Seq):
+        """One prompt, chunk by chunk at multiples of ``prefill_chunk``, skipping cached chunks.
+
+        The same absolute chunk boundaries with the cache on or off make every chunk's forward
+        see bit-identical inputs, hence identical outputs (see :mod:`aflow_rl.serving.prefix_cache`).
+        Returns the prompt's KV cache (batch 1) and the logits of its last token.
+        """
+        req, C = seq.req, self.prefill_chunk
+        ids, n = req.input_ids, len(req.input_ids)
+        start = req.logprob_start_len if req.return_logprob and 0 <= req.logprob_start_len < n else None
+        # The last token is always computed (its logits pick the first output token); prompt
+        # logprobs need the logits of every position from `start` on, so those chunks are too.
+        limit = (n - 1) // C if start is None else min((n - 1) // C, start // C)
+        hit = self.prefix_cache.match(ids, limit) if self.prefix_cache is not None else []
+        if hit:
+            layers = [(torch.cat([h[i][0] for h in hit], dim=2), torch.cat([h[i][1] for h in hit], dim=2))
+                      for i in range(len(hit[0]))]
+            cache = self._make_cache(layers)
+        else:
+            cache = self._make_cache(None)
+        seq.cached_tokens = len(hit) * C
+        self.stats["prompt_tokens"] += n
+        self.stats["cached_tokens"] += seq.cached_tokens
+        prompt_logits = []
+        for a in range(seq.cached_tokens, n, C):
+            b = min(a + C, n)
+            keep_all = start is not None and b - 1 >= start
+            out = self.model(input_ids=torch.tensor([ids[a:b]], dtype=torch.long),
+                             position_ids=torch.arange(a, b).unsqueeze(0), past_key_values=cache,
+                             use_cache=True, logits_to_keep=0 if keep_all else 1)
+            self.stats["prefill_forwards"] += 1
+            cache = out.past_key_values
+            if keep_all:
+                prompt_logits.append(out.logits[0].float())
+            if self.prefix_cache is not None and b - a == C:
+                self.prefix_cache.insert(ids, a // C, [(layer.keys[:, :, a:b].clone(), layer.values[:, :, a:b].clone())
+                                                      for layer in cache.layers])
+        last_logits = out.logits[0, -1].float()
+        if start is not None:
+            first = (start // C) * C                  # the first kept chunk begins here
+            self._prompt_logprobs(seq, torch.cat(prompt_logits), first)
+        return cache, last_logits
+
+    def _stack(self, seqs: list[_Seq], caches: list, last: torch.Tensor) -> _Batch:
+        """A batch from per-sequence caches ``[1, H, n_r, D]``, left-padded to the longest."""
+        lens = [len(s.req.input_ids) for s in seqs]
+        S = max(lens)
+
+        def pad(t: torch.Tensor, n: int) -> torch.Tensor:
+            return F.pad(t, (0, 0, S - n, 0)) if S > n else t
+
+        layers = [(torch.cat([pad(c.layers[i].keys, n) for c, n in zip(caches, lens)]),
+                   torch.cat([pad(c.layers[i].values, n) for c, n in zip(caches, lens)]))
+                  for i in range(len(caches[0].layers))]
+        mask = torch.zeros((len(seqs), S), dtype=torch.long)
+        for r, n in enumerate(lens):
+            mask[r, S - n:] = 1
+        return _Batch(seqs, self._make_cache(layers), mask, torch.tensor(lens, dtype=torch.long), last)
+
+    def _prompt_logprobs(self, seq: _Seq, logits: torch.Tensor, offset: int = 0) -> None:
+        """Prompt logprobs from ``logprob_start_len`` on; ``logits[k]`` belongs to prompt position ``offset + k``."""
         ids = seq.req.input_ids
         start = seq.req.logprob_start_len
         # logits[k] predicts ids[k + 1]; the entry for ids[start] has no value (SGLang pads None).
-        lp = torch.log_softmax(logits[start:len(ids) - 1], dim=-1)        # [n - 1 - start, V]
+        lp = torch.log_softmax(logits[start - offset:len(ids) - 1 - offset], dim=-1)   # [n - 1 - start, V]
         target = torch.tensor(ids[start + 1:], dtype=torch.long)
         seq.input_lp = [None] + lp.gather(-1, target.unsqueeze(-1)).squeeze(-1).tolist()
         k = seq.req.top_logprobs_num
@@ -457,6 +537,8 @@ class Engine:
     def _make_cache(self, layers):
         from transformers import DynamicCache
 
+        if layers is None:
+            return DynamicCache(config=self.config)
         return DynamicCache(ddp_cache_data=layers, config=self.config)
 
     def _drop_finished(self) -> None:
@@ -524,6 +606,11 @@ class Engine:
             if seq.top is not None:
                 seq.top.append(tops[i])
             self._check_finish(seq, token_list[i])
+            if seq.on_token is not None and seq.finish is None:   # the last token comes with the result
+                try:
+                    seq.on_token(list(seq.output_ids), list(seq.logprobs), None if seq.top is None else list(seq.top))
+                except Exception:
+                    log.exception("on_token callback failed for %s", seq.req.rid)
         self.stats["generated_tokens"] += N
         return tokens
 
@@ -596,7 +683,7 @@ class Engine:
             output_logprobs=seq.logprobs, output_top_logprobs=seq.top,
             input_token_ids=req.input_ids[start:], input_logprobs=seq.input_lp, input_top_logprobs=seq.input_top,
             weight_version=self.weight_version, e2e_latency=now - seq.t_arrival,
-            queue_time=seq.t_admitted - seq.t_arrival)
+            queue_time=seq.t_admitted - seq.t_arrival, cached_tokens=seq.cached_tokens)
         try:
             seq.callback(result)
         except Exception:
@@ -623,6 +710,8 @@ class Engine:
         if problem:
             return False, f"Weights in {model_path} do not match the served model ({problem}); kept the old weights."
         self.model, self.config = new_model, new_model.config
+        if self.prefix_cache is not None:   # its KV was computed by the old weights
+            self.prefix_cache.flush()
         self.model_path = model_path
         if version is not None:
             self.weight_version = str(version)
