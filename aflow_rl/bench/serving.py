@@ -1,6 +1,7 @@
 """Throughput and latency of the embedded server under concurrent load.
 
     python -m aflow_rl.bench.serving [--preset tiny] [--json OUT]
+    python -m aflow_rl.bench.serving --quickstart-mix [--rounds 4]   # prefix cache on vs off (bench.prefix_cache)
 
 Builds the tiny model into a temporary directory, starts
 ``python -m aflow_rl.serving.embedded`` as a subprocess, and for each concurrency
@@ -35,13 +36,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_path: str, threads: Optional[int], log_path: str, timeout_s: float = 120.0):
+def start_server(model_path: str, threads: Optional[int], log_path: str, timeout_s: float = 120.0,
+                 extra_args: tuple = ()):
     """Launch the embedded server; return (process, base URL) once /health answers 200."""
     port = _free_port()
     cmd = [sys.executable, "-m", "aflow_rl.serving.embedded", "--model-path", model_path, "--port", str(port),
            "--random-seed", "0"]
     if threads:
         cmd += ["--threads", str(threads)]
+    cmd += list(extra_args)
     log = open(log_path, "w")
     # Dies with this benchmark however it ends (kill -9 included), like the servers ServerManager starts.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent(),
@@ -172,7 +175,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=4, help="requests per client at each level")
     ap.add_argument("--threads", type=int, default=None, help="server torch threads (default: the server's)")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    ap.add_argument("--quickstart-mix", action="store_true",
+                    help="instead: the prefix cache on vs off on the quickstart's prompts (rounds = --rounds)")
     args = ap.parse_args(argv)
+    if args.quickstart_mix:
+        from aflow_rl.bench import prefix_cache
+
+        return prefix_cache.main(["--rounds", str(args.rounds)] + (["--json", args.json] if args.json else [])
+                                 + (["--threads", str(args.threads)] if args.threads else []))
     report = run(args.preset, tuple(int(x) for x in args.levels.split(",")), args.max_new_tokens, args.rounds,
                  args.threads, args.model_path)
     print(format_table(report))

@@ -241,7 +241,10 @@ class Engine:
         self._stopping = False
         self.stats = {"requests": 0, "generated_tokens": 0, "decode_steps": 0, "prefills": 0,
                       "max_running": 0, "errors": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                      "prefill_forwards": 0}
+                      "prefill_forwards": 0,
+                      # CPU time of the engine thread (all of the model's work with --threads 1): a
+                      # measure of cost that other processes' load on a shared machine does not inflate.
+                      "prefill_cpu_s": 0.0, "decode_cpu_s": 0.0}
 
     # ---- thread-safe API -------------------------------------------------------------
 
@@ -380,10 +383,14 @@ class Engine:
         if self._waiting and not self._updates:
             admitted = self._admit()
             if admitted:
+                t0 = time.thread_time()
                 self._prefill(admitted)
+                self.stats["prefill_cpu_s"] += time.thread_time() - t0
             self._prefilling = []
         if self._batch is not None:
+            t0 = time.thread_time()
             self._decode()
+            self.stats["decode_cpu_s"] += time.thread_time() - t0
 
     def _admit(self) -> list[_Seq]:
         room = self.max_batch_size - (len(self._batch) if self._batch else 0)

@@ -11,7 +11,39 @@ import openai
 import pytest
 import torch
 
-from tests.serving.test_embedded import TOL, generate, http, model_a, recompute, server, stats, tok  # noqa: F401
+from aflow_rl.bench.serving import start_server, stop_server
+from tests.serving.test_embedded import TOL, generate, recompute, stats
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """A real embedded server process (prefix cache on, the default); yields its base URL."""
+    log = str(tmp_path_factory.mktemp("streaming") / "server.log")
+    proc, url = start_server(tiny_model_dir, None, log)
+    try:
+        yield url
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=60.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model_a(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 LONG = "Spawn four subagents, give each one item, then join their results and answer. " * 3
 
