@@ -179,6 +179,23 @@ class _Batch:
         return len(self.seqs)
 
 
+class _PrefillPlan:
+    """One prompt during prefill: chunks ``[first, chunks)`` to compute, and what they produced."""
+
+    __slots__ = ("seq", "first", "chunks", "start", "past", "prompt_rows", "last_logits", "key")
+
+    def __init__(self, seq: _Seq, first: int, chunks: int, start: Optional[int], past):
+        self.seq, self.first, self.chunks, self.start = seq, first, chunks, start
+        self.past = past                  # per layer (keys, values) [1, H, tokens so far, D]
+        self.prompt_rows: list[torch.Tensor] = []    # logits [V] from the chunk holding `start` on
+        self.last_logits: Optional[torch.Tensor] = None
+        self.key: Optional[int] = None    # interned id of the prompt prefix computed so far (sharing)
+
+    @property
+    def prompt_logits(self) -> list[torch.Tensor]:
+        return [torch.stack(self.prompt_rows)] if self.prompt_rows else []
+
+
 class Engine:
     """A model, its tokenizer and grammar backend, and the thread that batches requests.
 
@@ -212,6 +229,10 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = load_model(model_path, dtype)
         self.config = self.model.config
+        # Prefill takes logits as lm_head(last hidden state) (only the rows it needs, see
+        # _prefill_chunk); a model that rescales or caps its logits after that would be misreported.
+        if getattr(self.config, "final_logit_softcapping", None) or getattr(self.model, "logit_scale", None):
+            raise ValueError(f"{model_path}: logit scaling/soft-capping models are not supported by the embedded server")
         self.vocab_size = int(self.config.vocab_size)
         max_pos = int(getattr(self.config, "max_position_embeddings", 0) or 2048)
         self.context_length = int(context_length or max_pos)
@@ -414,88 +435,143 @@ class Engine:
     # ---- model calls -----------------------------------------------------------------
 
     def _prefill(self, seqs: list[_Seq]) -> None:
-        """Prefill the prompts of ``seqs`` one by one, sample their first tokens, join the batch."""
+        """Prefill the prompts of ``seqs`` chunk by chunk, sample their first tokens, join the batch."""
         self.stats["prefills"] += 1
-        caches, last = [], []
-        for seq in seqs:
-            cache, logits = self._prefill_one(seq)
-            caches.append(cache)
-            last.append(logits)
-        for seq in seqs:
-            if seq.req.params.max_new_tokens <= 0:   # prefill-only request
-                seq.finish = {"type": "length", "length": 0}
-                self._deliver(seq)
-        cont = [r for r, s in enumerate(seqs) if s.req.params.max_new_tokens > 0]
+        plans = [self._plan(seq) for seq in seqs]
+        interned: dict[tuple, int] = {}
+        for j in range(min(p.first for p in plans), max(p.chunks for p in plans)):
+            rows = [p for p in plans if p.first <= j < p.chunks]
+            leaders, followers = self._share(j, rows, interned)
+            if leaders:   # none when short prompts ended and cached ones have not begun yet
+                self._prefill_chunk(j, leaders)
+            for f, lead in followers:
+                f.past, f.last_logits = lead.past, lead.last_logits
+                f.prompt_rows = list(lead.prompt_rows)
+        for p in plans:
+            if p.start is not None:
+                self._prompt_logprobs(p.seq, torch.cat(p.prompt_logits), (p.start // self.prefill_chunk) * self.prefill_chunk)
+            if p.seq.req.params.max_new_tokens <= 0:   # prefill-only request
+                p.seq.finish = {"type": "length", "length": 0}
+                self._deliver(p.seq)
+        cont = [p for p in plans if p.seq.req.params.max_new_tokens > 0]
         if not cont:
             return
-        rows = [seqs[r] for r in cont]
-        tokens = self._sample(rows, torch.stack([last[r] for r in cont]))
-        for s in rows:
-            if s.finish is not None:
-                self._deliver(s)
-        keep = [i for i, s in enumerate(rows) if s.finish is None]
+        tokens = self._sample([p.seq for p in cont], torch.stack([p.last_logits for p in cont]))
+        for p in cont:
+            if p.seq.finish is not None:
+                self._deliver(p.seq)
+        keep = [i for i, p in enumerate(cont) if p.seq.finish is None]
         if not keep:
             return
-        new = self._stack([rows[i] for i in keep], [caches[cont[i]] for i in keep],
+        new = self._stack([cont[i].seq for i in keep], [cont[i].past for i in keep],
                           tokens[torch.tensor(keep, dtype=torch.long)])
         self._batch = new if self._batch is None else self._merge(self._batch, new)
         self._trim()
         self.stats["max_running"] = max(self.stats["max_running"], len(self._batch))
 
-    def _prefill_one(self, seq: _Seq):
-        """One prompt, chunk by chunk at multiples of ``prefill_chunk``, skipping cached chunks.
-
-        The same absolute chunk boundaries with the cache on or off make every chunk's forward
-        see bit-identical inputs, hence identical outputs (see :mod:`aflow_rl.serving.prefix_cache`).
-        Returns the prompt's KV cache (batch 1) and the logits of its last token.
-        """
+    def _plan(self, seq: _Seq) -> "_PrefillPlan":
+        """Which chunks of the prompt to compute; the cached ones come with their KV."""
         req, C = seq.req, self.prefill_chunk
-        ids, n = req.input_ids, len(req.input_ids)
+        n = len(req.input_ids)
         start = req.logprob_start_len if req.return_logprob and 0 <= req.logprob_start_len < n else None
         # The last token is always computed (its logits pick the first output token); prompt
         # logprobs need the logits of every position from `start` on, so those chunks are too.
         limit = (n - 1) // C if start is None else min((n - 1) // C, start // C)
-        hit = self.prefix_cache.match(ids, limit) if self.prefix_cache is not None else []
+        hit = self.prefix_cache.match(req.input_ids, limit) if self.prefix_cache is not None else []
+        past = None
         if hit:
-            layers = [(torch.cat([h[i][0] for h in hit], dim=2), torch.cat([h[i][1] for h in hit], dim=2))
-                      for i in range(len(hit[0]))]
-            cache = self._make_cache(layers)
-        else:
-            cache = self._make_cache(None)
+            past = [(torch.cat([h[i][0] for h in hit], dim=2), torch.cat([h[i][1] for h in hit], dim=2))
+                    for i in range(len(hit[0]))]
         seq.cached_tokens = len(hit) * C
         self.stats["prompt_tokens"] += n
         self.stats["cached_tokens"] += seq.cached_tokens
-        prompt_logits = []
-        for a in range(seq.cached_tokens, n, C):
-            b = min(a + C, n)
-            keep_all = start is not None and b - 1 >= start
-            out = self.model(input_ids=torch.tensor([ids[a:b]], dtype=torch.long),
-                             position_ids=torch.arange(a, b).unsqueeze(0), past_key_values=cache,
-                             use_cache=True, logits_to_keep=0 if keep_all else 1)
-            self.stats["prefill_forwards"] += 1
-            cache = out.past_key_values
-            if keep_all:
-                prompt_logits.append(out.logits[0].float())
-            if self.prefix_cache is not None and b - a == C:
-                self.prefix_cache.insert(ids, a // C, [(layer.keys[:, :, a:b].clone(), layer.values[:, :, a:b].clone())
-                                                      for layer in cache.layers])
-        last_logits = out.logits[0, -1].float()
-        if start is not None:
-            first = (start // C) * C                  # the first kept chunk begins here
-            self._prompt_logprobs(seq, torch.cat(prompt_logits), first)
-        return cache, last_logits
+        return _PrefillPlan(seq, len(hit), -(-n // C), start, past)
 
-    def _stack(self, seqs: list[_Seq], caches: list, last: torch.Tensor) -> _Batch:
-        """A batch from per-sequence caches ``[1, H, n_r, D]``, left-padded to the longest."""
+    def _share(self, j: int, rows: list["_PrefillPlan"], interned: dict) -> tuple[list, list]:
+        """With the cache on, rows of this round whose prompts agree up to the end of chunk ``j``
+        (and need the same logits) compute it once: the G copies of a group's prompt arrive
+        together, before any of them is in the cache. A follower's numbers are its leader's,
+        which are what it would have computed itself (rows do not depend on one another)."""
+        if self.prefix_cache is None:
+            return rows, []
+        C, a = self.prefill_chunk, j * self.prefill_chunk
+        leaders, followers, first_of = [], [], {}
+        for p in rows:
+            ids = p.seq.req.input_ids
+            if p.key is None:                  # the prefix it starts from (its cached chunks)
+                p.key = 0
+                for i in range(j):
+                    p.key = interned.setdefault((p.key, tuple(ids[i * C:(i + 1) * C])), len(interned) + 1)
+            p.key = interned.setdefault((p.key, tuple(ids[a:a + C])), len(interned) + 1)
+            need = (j == p.chunks - 1, p.start is not None and a + min(C, len(ids) - a) - 1 >= p.start)
+            lead = first_of.setdefault((p.key, need), p)
+            if lead is p:
+                leaders.append(p)
+            else:
+                followers.append((p, lead))
+                shared = min(C, len(ids) - a)
+                p.seq.cached_tokens += shared
+                self.stats["cached_tokens"] += shared
+        return leaders, followers
+
+    def _prefill_chunk(self, j: int, plans: list["_PrefillPlan"]) -> None:
+        """Chunk ``j`` of every prompt in ``plans``, as one ``[B, chunk]`` forward.
+
+        Every row has ``j * chunk`` tokens of past and a full chunk of input (a prompt's last,
+        shorter chunk is padded on the right, which causal attention keeps from the real
+        tokens), so all rows have the same shapes whatever the batch: measured, a row's numbers
+        are then the same bit for bit as when it runs alone, and so with the cache on or off.
+        """
+        C, B = self.prefill_chunk, len(plans)
+        a = j * C
+        ids = torch.full((B, C), self.pad_id, dtype=torch.long)
+        for r, p in enumerate(plans):
+            chunk = p.seq.req.input_ids[a:a + C]
+            ids[r, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        past = None
+        if j:
+            past = [(torch.cat([p.past[i][0] for p in plans]), torch.cat([p.past[i][1] for p in plans]))
+                    for i in range(len(plans[0].past))]
+        out = self.model.base_model(input_ids=ids, position_ids=torch.arange(a, a + C).expand(B, C),
+                                    past_key_values=self._make_cache(past), use_cache=True)
+        self.stats["prefill_forwards"] += 1
+        layers = out.past_key_values.layers
+        rows, cols, owners = [], [], []        # the positions whose logits are needed
+        for r, p in enumerate(plans):
+            n = len(p.seq.req.input_ids)
+            real = min(C, n - a)
+            p.past = [(layer.keys[r:r + 1, :, :a + real], layer.values[r:r + 1, :, :a + real]) for layer in layers]
+            if self.prefix_cache is not None and real == C:
+                self.prefix_cache.insert(p.seq.req.input_ids, j, [(k[:, :, a:].clone(), v[:, :, a:].clone())
+                                                                  for k, v in p.past])
+            prompt = p.start is not None and a + real - 1 >= p.start
+            wanted = range(real) if prompt else ([real - 1] if j == p.chunks - 1 else [])
+            rows += [r] * len(wanted)
+            cols += list(wanted)
+            owners += [(p, prompt, c == real - 1 and j == p.chunks - 1) for c in wanted]
+        if not rows:
+            return
+        # One row at a time: a matrix product rounds differently for one row than for several
+        # (measured), and how many rows a round needs depends on what the cache held.
+        head, hidden = self.model.get_output_embeddings(), out.last_hidden_state
+        logits = [head(hidden[r, c:c + 1]).float()[0] for r, c in zip(rows, cols)]   # K x [V]
+        for k, (p, prompt, is_last) in enumerate(owners):
+            if prompt:
+                p.prompt_rows.append(logits[k])
+            if is_last:
+                p.last_logits = logits[k]
+
+    def _stack(self, seqs: list[_Seq], pasts: list, last: torch.Tensor) -> _Batch:
+        """A batch from per-sequence KV (per layer ``(keys, values)`` ``[1, H, n_r, D]``), left-padded."""
         lens = [len(s.req.input_ids) for s in seqs]
         S = max(lens)
 
         def pad(t: torch.Tensor, n: int) -> torch.Tensor:
             return F.pad(t, (0, 0, S - n, 0)) if S > n else t
 
-        layers = [(torch.cat([pad(c.layers[i].keys, n) for c, n in zip(caches, lens)]),
-                   torch.cat([pad(c.layers[i].values, n) for c, n in zip(caches, lens)]))
-                  for i in range(len(caches[0].layers))]
+        layers = [(torch.cat([pad(kv[i][0], n) for kv, n in zip(pasts, lens)]),
+                   torch.cat([pad(kv[i][1], n) for kv, n in zip(pasts, lens)]))
+                  for i in range(len(pasts[0]))]
         mask = torch.zeros((len(seqs), S), dtype=torch.long)
         for r, n in enumerate(lens):
             mask[r, S - n:] = 1
