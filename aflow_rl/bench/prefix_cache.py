@@ -67,8 +67,10 @@ def _round(cfg, url: str, episodes: list[dict], concurrency: int) -> dict:
     asyncio.run(_episodes(cfg, url, episodes, concurrency))
     wall = time.perf_counter() - t0
     after = _state(url)
-    d = {k: after[k] - before[k] for k in ("generated_tokens", "prompt_tokens", "cached_tokens", "prefill_forwards",
-                                           "requests", "prefill_cpu_s", "decode_cpu_s")}
+    # .get: a --baseline server from an older checkout may lack the newer counters
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("generated_tokens", "prompt_tokens", "cached_tokens",
+                                                         "prefill_forwards", "requests", "prefill_cpu_s",
+                                                         "decode_cpu_s")}
     return {**d, "wall_s": wall}
 
 
@@ -79,13 +81,37 @@ def _summary(rounds: list[dict]) -> dict:
             "median_round_tokens_per_s": statistics.median(per),
             "prompt_tokens_per_s": tot["prompt_tokens"] / tot["wall_s"],
             "hit_rate": tot["cached_tokens"] / max(1, tot["prompt_tokens"]),
-            "tokens_per_engine_cpu_s": tot["generated_tokens"] / (tot["prefill_cpu_s"] + tot["decode_cpu_s"]),
+            # None for a --baseline server without the CPU counters
+            "tokens_per_engine_cpu_s": (tot["generated_tokens"] / (tot["prefill_cpu_s"] + tot["decode_cpu_s"])
+                                        if tot["prefill_cpu_s"] + tot["decode_cpu_s"] > 0 else None),
             "per_round_tokens_per_s": per}
 
 
-def run(rounds: int = 4, seed: int = 0, threads: Optional[int] = 1, prefill_chunk: int = 32) -> dict:
-    """Both servers, ``rounds`` rollout steps each, interleaved ABBA; returns the report."""
-    from aflow_rl.bench.serving import start_server, stop_server
+def _start(model: str, tmp: str, threads: Optional[int], prefill_chunk: int, baseline: Optional[str]) -> dict:
+    from aflow_rl.bench.serving import start_server
+
+    chunk = ["--prefill-chunk", str(prefill_chunk)]
+    servers = {}
+    for name, extra in (("on", chunk), ("off", chunk + ["--disable-radix-cache"])):
+        servers[name] = start_server(model, threads, os.path.join(tmp, f"{name}.log"), extra_args=extra)
+    if baseline:   # the same server from another checkout (e.g. the commit before the cache)
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = baseline
+        try:
+            # cwd too: `python -m` puts the working directory ahead of PYTHONPATH
+            servers["baseline"] = start_server(model, threads, os.path.join(tmp, "baseline.log"), cwd=baseline)
+        finally:
+            if old is None:
+                os.environ.pop("PYTHONPATH")
+            else:
+                os.environ["PYTHONPATH"] = old
+    return servers
+
+
+def run(rounds: int = 4, seed: int = 0, threads: Optional[int] = 1, prefill_chunk: int = 32,
+        baseline: Optional[str] = None) -> dict:
+    """Both servers (and ``baseline``'s), ``rounds`` rollout steps each, interleaved; returns the report."""
+    from aflow_rl.bench.serving import stop_server
     from aflow_rl.config import load_config
     from aflow_rl.models.tiny import build
     from aflow_rl.rollout.pool import make_episodes
@@ -95,26 +121,26 @@ def run(rounds: int = 4, seed: int = 0, threads: Optional[int] = 1, prefill_chun
         model = build(os.path.join(tmp, "tiny"), preset="tiny", seed=0)
         cfg = load_config(QUICKSTART, [f"serving.policy.model_path={model}", "serving.policy.build_tiny="])
         concurrency = cfg.rollout.concurrency_per_worker * cfg.rollout.workers
-        chunk = ["--prefill-chunk", str(prefill_chunk)]
         servers = {}
         try:
-            for name, extra in (("on", chunk), ("off", chunk + ["--disable-radix-cache"])):
-                servers[name] = start_server(model, threads, os.path.join(tmp, f"{name}.log"), extra_args=extra)
-            results: dict[str, list[dict]] = {"on": [], "off": []}
+            servers = _start(model, tmp, threads, prefill_chunk, baseline)
+            names = list(servers)
+            results: dict[str, list[dict]] = {name: [] for name in names}
             for r in range(rounds):
                 tasks = make_tasks(cfg, cfg.rollout.tasks_per_step, seed + r)
                 episodes = make_episodes(tasks, cfg.rollout.group_size, prefix=f"s{r}-")
-                for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                for name in (names if r % 2 == 0 else names[::-1]):
                     results[name].append(_round(cfg, servers[name][1], episodes, concurrency))
         finally:
             for proc, _ in servers.values():
                 stop_server(proc)
-    on, off = _summary(results["on"]), _summary(results["off"])
+    summary = {name: _summary(rows) for name, rows in results.items()}
+    on, off = summary["on"], summary["off"]
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "load_avg_1m_end": os.getloadavg()[0], "rounds": rounds, "prefill_chunk": prefill_chunk,
             "server_threads": threads,
             "episodes_per_round": cfg.rollout.tasks_per_step * cfg.rollout.group_size, "concurrency": concurrency,
-            "on": on, "off": off, "speedup": on["tokens_per_s"] / off["tokens_per_s"]}
+            **summary, "speedup": on["tokens_per_s"] / off["tokens_per_s"]}
 
 
 def format_table(rep: dict) -> str:
@@ -126,12 +152,17 @@ def format_table(rep: dict) -> str:
              "| prefix cache | requests | prompt tokens | hit rate | prefill forwards | prefill CPU s | "
              "decode CPU s | tokens / engine CPU s | generated tokens/s | median of rounds | per round tokens/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for name in ("on", "off"):
+    for name in [k for k in ("on", "off", "baseline") if k in rep]:
         s = rep[name]
         per = ", ".join(f"{x:.0f}" for x in s["per_round_tokens_per_s"])
+        cpu = s["tokens_per_engine_cpu_s"]
+        if cpu is None:    # an older server: only what the client sees
+            lines.append(f"| {name} | {s['requests']} | – | – | – | – | – | – | {s['tokens_per_s']:.0f} | "
+                         f"{s['median_round_tokens_per_s']:.0f} | {per} |")
+            continue
         lines.append(f"| {name} | {s['requests']} | {s['prompt_tokens']} | {s['hit_rate']:.1%} | "
                      f"{s['prefill_forwards']} | {s['prefill_cpu_s']:.2f} | {s['decode_cpu_s']:.2f} | "
-                     f"{s['tokens_per_engine_cpu_s']:.0f} | {s['tokens_per_s']:.0f} | "
+                     f"{cpu:.0f} | {s['tokens_per_s']:.0f} | "
                      f"{s['median_round_tokens_per_s']:.0f} | {per} |")
     med = rep["on"]["median_round_tokens_per_s"] / rep["off"]["median_round_tokens_per_s"]
     cpu = rep["on"]["tokens_per_engine_cpu_s"] / rep["off"]["tokens_per_engine_cpu_s"]
@@ -148,9 +179,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="server torch threads (1: the engine thread's CPU time is all of the model's work)")
     ap.add_argument("--prefill-chunk", type=int, default=32)
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also a server run from the checkout DIR (its PYTHONPATH), e.g. the commit before the cache")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
     args = ap.parse_args(argv)
-    report = run(args.rounds, args.seed, args.threads, args.prefill_chunk)
+    report = run(args.rounds, args.seed, args.threads, args.prefill_chunk, args.baseline)
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as fh:

@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 
 def start_server(model_path: str, threads: Optional[int], log_path: str, timeout_s: float = 120.0,
-                 extra_args: tuple = ()):
+                 extra_args: tuple = (), cwd: Optional[str] = None):
     """Launch the embedded server; return (process, base URL) once /health answers 200."""
     port = _free_port()
     cmd = [sys.executable, "-m", "aflow_rl.serving.embedded", "--model-path", model_path, "--port", str(port),
@@ -47,7 +47,7 @@ def start_server(model_path: str, threads: Optional[int], log_path: str, timeout
     cmd += list(extra_args)
     log = open(log_path, "w")
     # Dies with this benchmark however it ends (kill -9 included), like the servers ServerManager starts.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent(),
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent(), cwd=cwd,
                             env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

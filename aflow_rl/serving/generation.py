@@ -5,8 +5,9 @@ One dedicated thread owns the Hugging Face model. HTTP handlers call
 callback. Between two decode steps the engine thread
 
 1. takes new requests, aborts and weight updates from its inbox,
-2. prefills the newly admitted requests together (left-padded, attention mask and
-   explicit ``position_ids``) and merges their KV cache into the running batch,
+2. prefills the newly admitted requests together, chunk by chunk at fixed boundaries,
+   reusing chunks the prefix cache holds (:mod:`aflow_rl.serving.prefix_cache`), and
+   merges their KV cache (left-padded) into the running batch,
 3. runs one decode step for every running sequence, and
 4. drops the sequences that finished, so their slots go to waiting requests.
 
