@@ -1,7 +1,6 @@
 """The embedded server's prefix cache on the quickstart's real prompt mix, cache on vs off.
 
-    python -m aflow_rl.bench.prefix_cache [--rounds 4] [--json OUT]
-    python -m aflow_rl.bench.serving --quickstart-mix            # the same
+    python -m aflow_rl.bench.prefix_cache [--rounds 4] [--baseline DIR] [--json OUT]
 
 Builds the quickstart's tiny model, starts two embedded servers on it -- one with the
 prefix cache, one with ``--disable-radix-cache`` -- and runs rollout steps of the

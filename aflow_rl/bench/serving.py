@@ -1,7 +1,8 @@
 """Throughput and latency of the embedded server under concurrent load.
 
     python -m aflow_rl.bench.serving [--preset tiny] [--json OUT]
-    python -m aflow_rl.bench.serving --quickstart-mix [--rounds 4]   # prefix cache on vs off (bench.prefix_cache)
+
+The prefix cache on vs off on the quickstart's prompts is ``python -m aflow_rl.bench.prefix_cache``.
 
 Builds the tiny model into a temporary directory, starts
 ``python -m aflow_rl.serving.embedded`` as a subprocess, and for each concurrency
@@ -175,14 +176,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=4, help="requests per client at each level")
     ap.add_argument("--threads", type=int, default=None, help="server torch threads (default: the server's)")
     ap.add_argument("--json", default=None, help="also write the report as JSON here")
-    ap.add_argument("--quickstart-mix", action="store_true",
-                    help="instead: the prefix cache on vs off on the quickstart's prompts (rounds = --rounds)")
     args = ap.parse_args(argv)
-    if args.quickstart_mix:
-        from aflow_rl.bench import prefix_cache
-
-        return prefix_cache.main(["--rounds", str(args.rounds)] + (["--json", args.json] if args.json else [])
-                                 + (["--threads", str(args.threads)] if args.threads else []))
     report = run(args.preset, tuple(int(x) for x in args.levels.split(",")), args.max_new_tokens, args.rounds,
                  args.threads, args.model_path)
     print(format_table(report))

@@ -261,8 +261,6 @@ def _chat_usage(results: list[GenerateResult]) -> dict:
 
 async def chat(srv, request: Request, body: dict, top_logprobs_max: int):
     """``/v1/chat/completions`` with ``n > 1`` and/or ``stream: true``."""
-    from aflow_rl.serving.embedded import _bool, _int   # the server's validators (one definition)
-
     stream = _stream_flag(body.get("stream"))
     n = _n(body.get("n"), "n")
     opts = body.get("stream_options") or {}
@@ -272,8 +270,12 @@ async def chat(srv, request: Request, body: dict, top_logprobs_max: int):
     rest = {k: v for k, v in body.items() if k not in ("n", "stream", "stream_options")}
     ids = srv.chat_prompt(rest.get("messages"))
     params, spec = srv.openai_params(rest, len(ids), None)
-    want_lp = _bool(rest.get("logprobs", False) or False, "logprobs")
-    top_n = _int(rest.get("top_logprobs") or 0, "top_logprobs", 0, top_logprobs_max)
+    want_lp = rest.get("logprobs") or False
+    if not isinstance(want_lp, bool):
+        _fail(f"logprobs must be true or false, got {want_lp!r}")
+    top_n = rest.get("top_logprobs") or 0
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= top_logprobs_max:
+        _fail(f"top_logprobs must be an integer in [0, {top_logprobs_max}], got {top_n!r}")
     grammar = await srv.compile(spec)
     reqs = [GenerateRequest(input_ids=ids, params=params, rid=f"chatcmpl-{uuid.uuid4().hex}",
                             return_logprob=want_lp, top_logprobs_num=top_n if want_lp else 0, grammar=grammar)

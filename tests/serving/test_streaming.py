@@ -194,3 +194,32 @@ def test_a_closed_stream_aborts_its_request(http, server, tok):
     while stats(http)["running"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stats(http)["running"] == 0
+
+
+def test_chat_bad_n_or_logprobs_is_a_400(http):
+    msgs = [{"role": "user", "content": "hi"}]
+    for payload, needle in (({"messages": msgs, "n": 0}, "n must be"), ({"messages": msgs, "n": 2, "logprobs": "y"},
+                                                                        "logprobs must be true or false")):
+        r = http.post("/v1/chat/completions", json=payload)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_a_server_without_the_cache_answers_the_same(http, tok, tiny_model_dir, tmp_path):
+    """--disable-radix-cache (SGLang's flag) over HTTP: nothing cached, the same greedy tokens and logprobs."""
+    payload = {"input_ids": tok.encode(LONG), "return_logprob": True, "logprob_start_len": 40,
+               "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    generate(http, **payload)
+    cached = generate(http, **payload)
+    assert cached["meta_info"]["cached_tokens"] == 32
+    proc, url = start_server(tiny_model_dir, None, str(tmp_path / "off.log"), extra_args=["--disable-radix-cache"])
+    try:
+        with httpx.Client(base_url=url, timeout=60) as off:
+            plain = [generate(off, **payload) for _ in range(2)]
+            assert off.get("/get_server_info").json()["internal_states"][0]["prefix_cache"] is False
+    finally:
+        stop_server(proc)
+    for reply in plain:
+        assert reply["meta_info"]["cached_tokens"] == 0
+        assert reply["output_ids"] == cached["output_ids"]
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            assert reply["meta_info"][key] == cached["meta_info"][key]
