@@ -165,9 +165,10 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 async def _close(fan: Fanout, events: AsyncIterator) -> None:
     """Abort what is unfinished when a stream ends early (client disconnect cancels the generator)."""
     fan.abort()
-    aclose = getattr(events, "aclose", None)
-    if aclose is not None:
-        await aclose()
+    try:
+        await events.aclose()
+    except RuntimeError:   # still running: it ends with the task being cancelled
+        pass
 
 
 # ---- /generate -----------------------------------------------------------------------------------
