@@ -61,7 +61,7 @@ def test_fp32_and_batched_shapes():
 
 def test_server_and_trainer_share_the_kernel():
     """No second copy of the formula: both sides import this function and this threshold."""
-    import aflow_rl.serving.engine as server
+    import aflow_rl.serving.generation as server
     import aflow_rl.trainer.batch as trainer
 
     assert server.policy_logprobs is policy_logprobs and trainer.policy_logprobs is policy_logprobs

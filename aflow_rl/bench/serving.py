@@ -2,6 +2,8 @@
 
     python -m aflow_rl.bench.serving [--preset tiny] [--json OUT]
 
+The prefix cache on vs off on the quickstart's prompts is ``python -m aflow_rl.bench.prefix_cache``.
+
 Builds the tiny model into a temporary directory, starts
 ``python -m aflow_rl.serving.embedded`` as a subprocess, and for each concurrency
 level runs closed-loop clients (each sends its next ``/generate`` as soon as the last
@@ -36,8 +38,9 @@ def _free_port() -> int:
 
 
 def start_server(model_path: str, threads: Optional[int], log_path: str, timeout_s: float = 120.0,
-                 extra_args: tuple[str, ...] = ()):
-    """Launch the embedded server (``extra_args`` appended to its command line); return (process, base URL)."""
+                 extra_args: tuple[str, ...] = (), cwd: Optional[str] = None):
+    """Launch the embedded server (``extra_args`` appended to its command line, run in ``cwd``);
+    return (process, base URL) once /health answers 200."""
     port = _free_port()
     cmd = [sys.executable, "-m", "aflow_rl.serving.embedded", "--model-path", model_path, "--port", str(port),
            "--random-seed", "0"]
@@ -46,7 +49,7 @@ def start_server(model_path: str, threads: Optional[int], log_path: str, timeout
     cmd += list(extra_args)
     log = open(log_path, "w")
     # Dies with this benchmark however it ends (kill -9 included), like the servers ServerManager starts.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent(),
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent(), cwd=cwd,
                             env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -1,4 +1,4 @@
-"""The embedded CPU inference server: SGLang's HTTP API over :class:`~aflow_rl.serving.engine.Engine`.
+"""The embedded CPU inference server: SGLang's HTTP API over :class:`~aflow_rl.serving.generation.Engine`.
 
     python -m aflow_rl.serving.embedded --model-path DIR --port P [--host 127.0.0.1]
         [--max-batch-size N] [--context-length N] [--dtype auto|float32|bfloat16]
@@ -38,12 +38,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from aflow_rl.serving.engine import Engine, GenerateRequest, GenerateResult, RequestError, SamplingParams
+from aflow_rl.serving.generation import Engine, GenerateRequest, GenerateResult, RequestError, SamplingParams
 from aflow_rl.serving.contract import (MAX_STOP_COUNT, ContractError, as_bool, as_float, as_int,
                                       check_generate_fields, check_sampling_keys, fail, stop_regexes, str_list,
                                       top_k)
 from aflow_rl.serving.grammar import GrammarError, spec_from_params
 from aflow_rl.serving.guard import ApiKeyMiddleware, BadBody, Limits, TooLarge, prompt_bytes_bound, read_json_body
+from aflow_rl.serving import streaming
 
 log = logging.getLogger("aflow_rl.serving.embedded")
 
@@ -282,7 +283,7 @@ class _Server:
             "finish_reason": res.finish_reason,
             "prompt_tokens": len(res.prompt_ids),
             "completion_tokens": len(res.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": res.cached_tokens,
             "weight_version": res.weight_version,
             "e2e_latency": res.e2e_latency,
             "queue_time": res.queue_time,
@@ -401,21 +402,6 @@ def _finish_type(res: GenerateResult) -> str:
 
 
 # ---- OpenAI reply pieces -------------------------------------------------------------------------------
-
-def _chat_logprobs(srv: _Server, res: GenerateResult, params: SamplingParams) -> dict:
-    """OpenAI chat ``logprobs``: one entry per content token, with its top alternatives."""
-    content = []
-    for j in range(srv.content_len(res, params)):
-        tok = srv.token_str(res.output_ids[j])
-        entry = {"token": tok, "logprob": res.output_logprobs[j], "bytes": list(tok.encode("utf-8")),
-                 "top_logprobs": []}
-        if res.output_top_logprobs:
-            for lp, t in res.output_top_logprobs[j]:
-                s = srv.token_str(t)
-                entry["top_logprobs"].append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))})
-        content.append(entry)
-    return {"content": content, "refusal": None}
-
 
 def _completion_logprobs(srv: _Server, res: GenerateResult, params: SamplingParams, top_n: int) -> dict:
     """Legacy OpenAI completions ``logprobs``: tokens, their logprobs, top alternatives, text offsets."""
@@ -538,7 +524,7 @@ def _add_admin_routes(app: FastAPI, srv: _Server) -> None:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        # There is no prefix cache to flush: every request's KV lives only while it runs.
+        engine.flush_cache()   # the prefix cache; running requests keep their own KV
         return PlainTextResponse("Cache flushed.\n", status_code=200)
 
     @app.post("/abort_request")
@@ -582,6 +568,8 @@ def _add_generate_route(app: FastAPI, srv: _Server) -> None:
     @app.post("/generate")
     async def generate(request: Request):
         body = await _json_body(request)
+        if streaming.fans_out(body, "generate"):   # n > 1 or stream: true
+            return await streaming.generate(srv, request, body)
         reqs, batch, text_lp = await srv.parse_generate(body)
         results = await srv.run(request, reqs)
         out = [srv.sglang_response(r, res, t) for r, res, t in zip(reqs, results, text_lp)]
@@ -593,6 +581,8 @@ def _add_openai_routes(app: FastAPI, srv: _Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json_body(request)
+        if streaming.fans_out(body, "chat"):   # n > 1 or stream: true
+            return await streaming.chat(srv, request, body, MAX_TOP_LOGPROBS)
         ids = await srv.chat_prompt(body.get("messages"))
         params, spec = srv.openai_params(body, len(ids), None)
         want_lp = _bool(body.get("logprobs", False) or False, "logprobs")
@@ -601,12 +591,8 @@ def _add_openai_routes(app: FastAPI, srv: _Server) -> None:
                               return_logprob=want_lp, top_logprobs_num=top_n if want_lp else 0,
                               grammar=await srv.compile(spec))
         res = (await srv.run(request, [req]))[0]
-        logprobs = _chat_logprobs(srv, res, params) if want_lp else None
-        matched = res.finish_reason.get("matched")
         return {"id": res.rid, "object": "chat.completion", "created": int(time.time()),
-                "model": srv.served_model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
-                             "logprobs": logprobs, "finish_reason": _finish_type(res), "matched_stop": matched}],
+                "model": srv.served_model_name, "choices": [streaming.chat_choice(srv, res, params, want_lp)],
                 "usage": srv.usage([res]), "metadata": {"weight_version": res.weight_version}}
 
     @app.post("/v1/completions")
@@ -642,7 +628,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
                api_key: Optional[str] = None, admin_api_key: Optional[str] = None, **engine_kwargs) -> FastAPI:
     """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
 
-    ``engine_kwargs`` go to :class:`~aflow_rl.serving.engine.Engine` (``dtype``,
+    ``engine_kwargs`` go to :class:`~aflow_rl.serving.generation.Engine` (``dtype``,
     ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``);
     ``limits`` bound each request; ``api_key``/``admin_api_key`` work as SGLang's flags.
     """
@@ -691,6 +677,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json-any-whitespace", action="store_true",
                     help="JSON grammars allow free whitespace (SGLang's default); off = compact JSON, like "
                          "SGLang's --constrained-json-disable-any-whitespace")
+    ap.add_argument("--disable-radix-cache", action="store_true",
+                    help="no prefix cache (SGLang's flag); outputs are identical either way, only slower")
+    ap.add_argument("--prefill-chunk", type=int, default=32,
+                    help="tokens per prefill forward and the prefix cache's granularity")
+    ap.add_argument("--prefix-cache-tokens", type=int, default=65536,
+                    help="the prefix cache's budget in tokens (least recently used chunks go first)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                     help=f"require 'Authorization: Bearer KEY' on every route but /health* (as SGLang); "
@@ -728,6 +720,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not os.path.isdir(args.model_path):
         raise SystemExit(f"--model-path {args.model_path!r} is not a directory")
+    if args.prefill_chunk < 1 or args.prefix_cache_tokens < 0:
+        raise SystemExit("--prefill-chunk must be >= 1 and --prefix-cache-tokens >= 0")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per weight update would clutter the log
@@ -739,7 +733,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     app = create_app(args.model_path, served_model_name=args.served_model_name, host=args.host, port=args.port,
                      limits=limits, api_key=args.api_key, admin_api_key=args.admin_api_key, dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
                      threads=args.threads, json_any_whitespace=args.json_any_whitespace,
-                     random_seed=args.random_seed)
+                     random_seed=args.random_seed, prefix_cache=not args.disable_radix_cache,
+                     prefill_chunk=args.prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens)
     # uvicorn's own logs stay at warning: an access line per request would cost throughput.
     uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.log_level == "debug" else "warning",
                 access_log=False, timeout_graceful_shutdown=5, http=args.http_impl, loop=args.loop)

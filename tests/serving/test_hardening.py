@@ -209,8 +209,9 @@ def test_tokenizing_runs_off_the_event_loop(http):
     stop.set()
     prober.join()
     assert reply.status_code == 400 and "context length" in reply.json()["error"]["message"], reply.text[:300]
-    # On the loop, one probe would wait for the whole batch's tokenization (~busy).
-    assert busy > 1.0, busy
+    # On the loop, one probe would wait for the whole batch's tokenization (~busy). 0.95 s on a quiet
+    # 2-core machine, several seconds under load; 0.3 s still tells a probe that waited from one that did not.
+    assert busy > 0.3, busy
     assert max(delays) < busy / 3, (max(delays), busy)
 
 

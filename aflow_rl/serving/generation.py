@@ -5,8 +5,9 @@ One dedicated thread owns the Hugging Face model. HTTP handlers call
 callback. Between two decode steps the engine thread
 
 1. takes new requests, aborts and weight updates from its inbox,
-2. prefills the newly admitted requests together (left-padded, attention mask and
-   explicit ``position_ids``) and merges their KV cache into the running batch,
+2. prefills the newly admitted requests together, chunk by chunk at fixed boundaries,
+   reusing chunks the prefix cache holds (:mod:`aflow_rl.serving.prefix_cache`), and
+   merges their KV cache (left-padded) into the running batch,
 3. runs one decode step for every running sequence, and
 4. drops the sequences that finished, so their slots go to waiting requests.
 
@@ -33,8 +34,9 @@ import torch.nn.functional as F
 
 from aflow_rl.logprobs import is_greedy, policy_logprobs
 from aflow_rl.serving.grammar import GrammarBackend, eos_token_ids, mask_logits_, unpack_bitmask
+from aflow_rl.serving.prefix_cache import PrefixCache
 
-log = logging.getLogger("aflow_rl.serving.engine")
+log = logging.getLogger("aflow_rl.serving.generation")
 
 # Config fields two checkpoints must share for a hot weight swap.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -93,6 +95,7 @@ class GenerateResult:
     weight_version: str
     e2e_latency: float
     queue_time: float
+    cached_tokens: int = 0                           # prompt tokens whose KV came from the prefix cache
 
 
 def resolve_dtype(name: str, config) -> torch.dtype:
@@ -140,11 +143,13 @@ def check_compatible(old_model, new_model) -> Optional[str]:
 class _Seq:
     """Per-request decoding state while it waits or runs."""
 
-    __slots__ = ("req", "callback", "matcher", "generator", "output_ids", "logprobs", "top", "input_lp",
-                 "input_top", "finish", "delivered", "t_arrival", "t_admitted", "stop_ids", "max_stop_len")
+    __slots__ = ("req", "callback", "on_token", "matcher", "generator", "output_ids", "logprobs", "top",
+                 "input_lp", "input_top", "finish", "delivered", "t_arrival", "t_admitted", "stop_ids",
+                 "max_stop_len", "cached_tokens")
 
-    def __init__(self, req: GenerateRequest, callback, eos_ids: set[int]):
-        self.req, self.callback = req, callback
+    def __init__(self, req: GenerateRequest, callback, eos_ids: set[int], on_token=None):
+        self.req, self.callback, self.on_token = req, callback, on_token
+        self.cached_tokens = 0
         self.matcher = None
         self.generator = None
         self.output_ids: list[int] = []
@@ -177,6 +182,23 @@ class _Batch:
         return len(self.seqs)
 
 
+class _PrefillPlan:
+    """One prompt during prefill: chunks ``[first, chunks)`` to compute, and what they produced."""
+
+    __slots__ = ("seq", "first", "chunks", "start", "past", "prompt_rows", "last_logits", "key")
+
+    def __init__(self, seq: _Seq, first: int, chunks: int, start: Optional[int], past):
+        self.seq, self.first, self.chunks, self.start = seq, first, chunks, start
+        self.past = past                  # per layer (keys, values) [1, H, tokens so far, D]
+        self.prompt_rows: list[torch.Tensor] = []    # logits [V] from the chunk holding `start` on
+        self.last_logits: Optional[torch.Tensor] = None
+        self.key: Optional[int] = None    # interned id of the prompt prefix computed so far (sharing)
+
+    @property
+    def prompt_logits(self) -> list[torch.Tensor]:
+        return [torch.stack(self.prompt_rows)] if self.prompt_rows else []
+
+
 class Engine:
     """A model, its tokenizer and grammar backend, and the thread that batches requests.
 
@@ -189,13 +211,18 @@ class Engine:
         json_any_whitespace: let JSON grammars allow free whitespace (SGLang's default);
             off by default, see :mod:`aflow_rl.serving.grammar`.
         random_seed: seed of the shared sampling generator.
-        max_prefill_tokens: cap on padded prompt tokens prefilled in one forward.
+        max_prefill_tokens: cap on prompt tokens admitted in one prefill round.
+        prefix_cache: keep prompt KV for reuse by later requests sharing a prefix
+            (:mod:`aflow_rl.serving.prefix_cache`); outputs are identical either way.
+        prefill_chunk: tokens per prefill forward, also the cache's granularity.
+        prefix_cache_tokens: the cache's budget in tokens (LRU eviction beyond it).
     """
 
     def __init__(self, model_path: str, *, dtype: str = "auto", max_batch_size: int = 64,
                  context_length: Optional[int] = None, threads: Optional[int] = None,
                  json_any_whitespace: bool = False, random_seed: Optional[int] = None,
-                 max_prefill_tokens: int = 16384):
+                 max_prefill_tokens: int = 16384, prefix_cache: bool = True, prefill_chunk: int = 32,
+                 prefix_cache_tokens: int = 65536):
         from transformers import AutoTokenizer
 
         self.threads = threads or min(2, os.cpu_count() or 1)
@@ -205,6 +232,10 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = load_model(model_path, dtype)
         self.config = self.model.config
+        # Prefill takes logits as lm_head(last hidden state) (only the rows it needs, see
+        # _prefill_chunk); a model that rescales or caps its logits after that would be misreported.
+        if getattr(self.config, "final_logit_softcapping", None) or getattr(self.model, "logit_scale", None):
+            raise ValueError(f"{model_path}: logit scaling/soft-capping models are not supported by the embedded server")
         self.vocab_size = int(self.config.vocab_size)
         max_pos = int(getattr(self.config, "max_position_embeddings", 0) or 2048)
         self.context_length = int(context_length or max_pos)
@@ -219,6 +250,11 @@ class Engine:
         self.random_seed = random_seed if random_seed is not None else int.from_bytes(os.urandom(4), "little")
         self._rng = torch.Generator().manual_seed(self.random_seed)
         self.weight_version = "default"
+        if int(prefill_chunk) < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
+        self.prefill_chunk = int(prefill_chunk)
+        # The chunked prefill below runs with the cache off too (parity); only lookups and inserts stop.
+        self.prefix_cache = PrefixCache(self.prefill_chunk, prefix_cache_tokens) if prefix_cache else None
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: list[_Seq] = []
@@ -228,7 +264,11 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.stats = {"requests": 0, "generated_tokens": 0, "decode_steps": 0, "prefills": 0,
-                      "max_running": 0, "errors": 0}
+                      "max_running": 0, "errors": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                      "prefill_forwards": 0,
+                      # CPU time of the engine thread (all of the model's work with --threads 1): a
+                      # measure of cost that other processes' load on a shared machine does not inflate.
+                      "prefill_cpu_s": 0.0, "decode_cpu_s": 0.0}
 
     # ---- thread-safe API -------------------------------------------------------------
 
@@ -251,9 +291,23 @@ class Engine:
         """Whether the engine thread is running."""
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, req: GenerateRequest, callback: Callable[[GenerateResult], None]) -> None:
-        """Queue ``req``; ``callback(result)`` runs on the engine thread when it finishes."""
-        self._inbox.put(("generate", req, callback))
+    def submit(self, req: GenerateRequest, callback: Callable[[GenerateResult], None],
+               on_token: Optional[Callable[[list, list, Optional[list]], None]] = None) -> None:
+        """Queue ``req``; ``callback(result)`` runs on the engine thread when it finishes.
+
+        ``on_token(output_ids, logprobs, top_logprobs)`` (copies, so far) runs on the engine
+        thread after every sampled token but the last, for streaming.
+        """
+        self._inbox.put(("generate", [(req, callback, on_token)]))
+
+    def submit_many(self, items: list[tuple]) -> None:
+        """Queue several ``(req, callback, on_token)`` at once: the engine admits them in one
+        round, in order, so ``n > 1`` copies of a prompt share its prefill through the cache."""
+        self._inbox.put(("generate", list(items)))
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (on the engine thread, between steps)."""
+        self._inbox.put(("flush",))
 
     def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
         """Abort the request with id ``rid`` (or every request); it finishes with type ``abort``."""
@@ -270,8 +324,11 @@ class Engine:
 
     def load(self) -> dict:
         """Queue and batch sizes, for /get_server_info."""
+        cache = self.prefix_cache
+        hit = self.stats["cached_tokens"] / self.stats["prompt_tokens"] if self.stats["prompt_tokens"] else 0.0
         return {"running": len(self._batch) if self._batch else 0, "waiting": len(self._waiting),
-                **self.stats}
+                **self.stats, "prefix_cache": cache is not None, "prefix_cache_hit_rate": hit,
+                "prefix_cache_tokens": cache.tokens if cache else 0}
 
     # ---- engine thread ---------------------------------------------------------------
 
@@ -304,9 +361,12 @@ class Engine:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "generate":
-            _, req, callback = item
-            self.stats["requests"] += 1
-            self._waiting.append(_Seq(req, callback, self.eos_ids))
+            for req, callback, on_token in item[1]:
+                self.stats["requests"] += 1
+                self._waiting.append(_Seq(req, callback, self.eos_ids, on_token))
+        elif kind == "flush":
+            if self.prefix_cache is not None:
+                log.info("prefix cache flushed (%d tokens)", self.prefix_cache.flush())
         elif kind == "abort":
             _, rid, abort_all = item
             self._abort(rid, abort_all, "Aborted by /abort_request")
@@ -347,10 +407,14 @@ class Engine:
         if self._waiting and not self._updates:
             admitted = self._admit()
             if admitted:
+                t0 = time.thread_time()
                 self._prefill(admitted)
+                self.stats["prefill_cpu_s"] += time.thread_time() - t0
             self._prefilling = []
         if self._batch is not None:
+            t0 = time.thread_time()
             self._decode()
+            self.stats["decode_cpu_s"] += time.thread_time() - t0
 
     def _admit(self) -> list[_Seq]:
         room = self.max_batch_size - (len(self._batch) if self._batch else 0)
@@ -374,54 +438,154 @@ class Engine:
     # ---- model calls -----------------------------------------------------------------
 
     def _prefill(self, seqs: list[_Seq]) -> None:
-        """Run the prompts of ``seqs`` together, sample their first tokens, join the batch."""
+        """Prefill the prompts of ``seqs`` chunk by chunk, sample their first tokens, join the batch."""
         self.stats["prefills"] += 1
-        lens = [len(s.req.input_ids) for s in seqs]
-        b, S = len(seqs), max(lens)
-        ids = torch.full((b, S), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((b, S), dtype=torch.long)
-        for r, (seq, n) in enumerate(zip(seqs, lens)):
-            ids[r, S - n:] = torch.tensor(seq.req.input_ids, dtype=torch.long)
-            mask[r, S - n:] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)                          # [b, S]
-        wants_prompt = [s.req.return_logprob and 0 <= s.req.logprob_start_len < n for s, n in zip(seqs, lens)]
-        cont = [r for r, s in enumerate(seqs) if s.req.params.max_new_tokens > 0]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=bool(cont),
-                         logits_to_keep=0 if any(wants_prompt) else 1)
-        logits = out.logits                                              # [b, S or 1, V]
-        for r, seq in enumerate(seqs):
-            if wants_prompt[r]:
-                self._prompt_logprobs(seq, logits[r, S - lens[r]:].float())
-        for r, seq in enumerate(seqs):
-            if r not in cont:  # prefill-only request
-                seq.finish = {"type": "length", "length": 0}
-                self._deliver(seq)
+        plans = [self._plan(seq) for seq in seqs]
+        interned: dict[tuple, int] = {}
+        for j in range(min(p.first for p in plans), max(p.chunks for p in plans)):
+            rows = [p for p in plans if p.first <= j < p.chunks]
+            leaders, followers = self._share(j, rows, interned)
+            if leaders:   # none when short prompts ended and cached ones have not begun yet
+                self._prefill_chunk(j, leaders)
+            for f, lead in followers:
+                f.past, f.last_logits = lead.past, lead.last_logits
+                f.prompt_rows = list(lead.prompt_rows)
+        for p in plans:
+            if p.start is not None:
+                self._prompt_logprobs(p.seq, torch.cat(p.prompt_logits), (p.start // self.prefill_chunk) * self.prefill_chunk)
+            if p.seq.req.params.max_new_tokens <= 0:   # prefill-only request
+                p.seq.finish = {"type": "length", "length": 0}
+                self._deliver(p.seq)
+        cont = [p for p in plans if p.seq.req.params.max_new_tokens > 0]
         if not cont:
             return
-        rows = [seqs[r] for r in cont]
-        tokens = self._sample(rows, logits[cont, -1].float())
-        keep = [i for i, s in enumerate(rows) if s.finish is None]
-        for s in rows:
-            if s.finish is not None:
-                self._deliver(s)
+        tokens = self._sample([p.seq for p in cont], torch.stack([p.last_logits for p in cont]))
+        for p in cont:
+            if p.seq.finish is not None:
+                self._deliver(p.seq)
+        keep = [i for i, p in enumerate(cont) if p.seq.finish is None]
         if not keep:
             return
-        keep_rows = torch.tensor([cont[i] for i in keep], dtype=torch.long)
-        cache = out.past_key_values
-        if len(keep) != b:
-            cache.batch_select_indices(keep_rows)
-        new = _Batch([rows[i] for i in keep], cache, mask[keep_rows], mask[keep_rows].sum(-1),
-                     tokens[torch.tensor(keep, dtype=torch.long)])
+        new = self._stack([cont[i].seq for i in keep], [cont[i].past for i in keep],
+                          tokens[torch.tensor(keep, dtype=torch.long)])
         self._batch = new if self._batch is None else self._merge(self._batch, new)
         self._trim()
         self.stats["max_running"] = max(self.stats["max_running"], len(self._batch))
 
-    def _prompt_logprobs(self, seq: _Seq, logits: torch.Tensor) -> None:
-        """Prompt logprobs from ``logprob_start_len`` on; ``logits`` is ``[n, V]`` for the prompt."""
+    def _plan(self, seq: _Seq) -> "_PrefillPlan":
+        """Which chunks of the prompt to compute; the cached ones come with their KV."""
+        req, C = seq.req, self.prefill_chunk
+        n = len(req.input_ids)
+        start = req.logprob_start_len if req.return_logprob and 0 <= req.logprob_start_len < n else None
+        # The last token is always computed (its logits pick the first output token); prompt
+        # logprobs need the logits of every position from `start` on, so those chunks are too.
+        limit = (n - 1) // C if start is None else min((n - 1) // C, start // C)
+        hit = self.prefix_cache.match(req.input_ids, limit) if self.prefix_cache is not None else []
+        past = None
+        if hit:
+            past = [(torch.cat([h[i][0] for h in hit], dim=2), torch.cat([h[i][1] for h in hit], dim=2))
+                    for i in range(len(hit[0]))]
+        seq.cached_tokens = len(hit) * C
+        self.stats["prompt_tokens"] += n
+        self.stats["cached_tokens"] += seq.cached_tokens
+        return _PrefillPlan(seq, len(hit), -(-n // C), start, past)
+
+    def _share(self, j: int, rows: list["_PrefillPlan"], interned: dict) -> tuple[list, list]:
+        """With the cache on, rows of this round whose prompts agree up to the end of chunk ``j``
+        (and need the same logits) compute it once: the G copies of a group's prompt arrive
+        together, before any of them is in the cache. A follower's numbers are its leader's,
+        which are what it would have computed itself (rows do not depend on one another)."""
+        if self.prefix_cache is None:
+            return rows, []
+        C, a = self.prefill_chunk, j * self.prefill_chunk
+        leaders, followers, first_of = [], [], {}
+        for p in rows:
+            ids = p.seq.req.input_ids
+            if p.key is None:                  # the prefix it starts from (its cached chunks)
+                p.key = 0
+                for i in range(j):
+                    p.key = interned.setdefault((p.key, tuple(ids[i * C:(i + 1) * C])), len(interned) + 1)
+            p.key = interned.setdefault((p.key, tuple(ids[a:a + C])), len(interned) + 1)
+            need = (j == p.chunks - 1, p.start is not None and a + min(C, len(ids) - a) - 1 >= p.start)
+            lead = first_of.setdefault((p.key, need), p)
+            if lead is p:
+                leaders.append(p)
+            else:
+                followers.append((p, lead))
+                shared = min(C, len(ids) - a)
+                p.seq.cached_tokens += shared
+                self.stats["cached_tokens"] += shared
+        return leaders, followers
+
+    def _prefill_chunk(self, j: int, plans: list["_PrefillPlan"]) -> None:
+        """Chunk ``j`` of every prompt in ``plans``, as one ``[B, chunk]`` forward.
+
+        Every row has ``j * chunk`` tokens of past and a full chunk of input (a prompt's last,
+        shorter chunk is padded on the right, which causal attention keeps from the real
+        tokens), so all rows have the same shapes whatever the batch: measured, a row's numbers
+        are then the same bit for bit as when it runs alone, and so with the cache on or off.
+        """
+        C, B = self.prefill_chunk, len(plans)
+        a = j * C
+        ids = torch.full((B, C), self.pad_id, dtype=torch.long)
+        for r, p in enumerate(plans):
+            chunk = p.seq.req.input_ids[a:a + C]
+            ids[r, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        past = None
+        if j:
+            past = [(torch.cat([p.past[i][0] for p in plans]), torch.cat([p.past[i][1] for p in plans]))
+                    for i in range(len(plans[0].past))]
+        out = self.model.base_model(input_ids=ids, position_ids=torch.arange(a, a + C).expand(B, C),
+                                    past_key_values=self._make_cache(past), use_cache=True)
+        self.stats["prefill_forwards"] += 1
+        layers = out.past_key_values.layers
+        rows, cols, owners = [], [], []        # the positions whose logits are needed
+        for r, p in enumerate(plans):
+            n = len(p.seq.req.input_ids)
+            real = min(C, n - a)
+            p.past = [(layer.keys[r:r + 1, :, :a + real], layer.values[r:r + 1, :, :a + real]) for layer in layers]
+            if self.prefix_cache is not None and real == C:
+                self.prefix_cache.insert(p.seq.req.input_ids, j, [(k[:, :, a:].clone(), v[:, :, a:].clone())
+                                                                  for k, v in p.past])
+            prompt = p.start is not None and a + real - 1 >= p.start
+            wanted = range(real) if prompt else ([real - 1] if j == p.chunks - 1 else [])
+            rows += [r] * len(wanted)
+            cols += list(wanted)
+            owners += [(p, prompt, c == real - 1 and j == p.chunks - 1) for c in wanted]
+        if not rows:
+            return
+        # One row at a time: a matrix product rounds differently for one row than for several
+        # (measured), and how many rows a round needs depends on what the cache held.
+        head, hidden = self.model.get_output_embeddings(), out.last_hidden_state
+        logits = [head(hidden[r, c:c + 1]).float()[0] for r, c in zip(rows, cols)]   # K x [V]
+        for k, (p, prompt, is_last) in enumerate(owners):
+            if prompt:
+                p.prompt_rows.append(logits[k])
+            if is_last:
+                p.last_logits = logits[k]
+
+    def _stack(self, seqs: list[_Seq], pasts: list, last: torch.Tensor) -> _Batch:
+        """A batch from per-sequence KV (per layer ``(keys, values)`` ``[1, H, n_r, D]``), left-padded."""
+        lens = [len(s.req.input_ids) for s in seqs]
+        S = max(lens)
+
+        def pad(t: torch.Tensor, n: int) -> torch.Tensor:
+            return F.pad(t, (0, 0, S - n, 0)) if S > n else t
+
+        layers = [(torch.cat([pad(kv[i][0], n) for kv, n in zip(pasts, lens)]),
+                   torch.cat([pad(kv[i][1], n) for kv, n in zip(pasts, lens)]))
+                  for i in range(len(pasts[0]))]
+        mask = torch.zeros((len(seqs), S), dtype=torch.long)
+        for r, n in enumerate(lens):
+            mask[r, S - n:] = 1
+        return _Batch(seqs, self._make_cache(layers), mask, torch.tensor(lens, dtype=torch.long), last)
+
+    def _prompt_logprobs(self, seq: _Seq, logits: torch.Tensor, offset: int = 0) -> None:
+        """Prompt logprobs from ``logprob_start_len`` on; ``logits[k]`` belongs to prompt position ``offset + k``."""
         ids = seq.req.input_ids
         start = seq.req.logprob_start_len
         # logits[k] predicts ids[k + 1]; the entry for ids[start] has no value (SGLang pads None).
-        lp = torch.log_softmax(logits[start:len(ids) - 1], dim=-1)        # [n - 1 - start, V]
+        lp = torch.log_softmax(logits[start - offset:len(ids) - 1 - offset], dim=-1)   # [n - 1 - start, V]
         target = torch.tensor(ids[start + 1:], dtype=torch.long)
         seq.input_lp = [None] + lp.gather(-1, target.unsqueeze(-1)).squeeze(-1).tolist()
         k = seq.req.top_logprobs_num
@@ -459,6 +623,8 @@ class Engine:
     def _make_cache(self, layers):
         from transformers import DynamicCache
 
+        if layers is None:
+            return DynamicCache(config=self.config)
         return DynamicCache(ddp_cache_data=layers, config=self.config)
 
     def _drop_finished(self) -> None:
@@ -526,6 +692,11 @@ class Engine:
             if seq.top is not None:
                 seq.top.append(tops[i])
             self._check_finish(seq, token_list[i])
+            if seq.on_token is not None and seq.finish is None:   # the last token comes with the result
+                try:
+                    seq.on_token(list(seq.output_ids), list(seq.logprobs), None if seq.top is None else list(seq.top))
+                except Exception:
+                    log.exception("on_token callback failed for %s", seq.req.rid)
         self.stats["generated_tokens"] += N
         return tokens
 
@@ -602,7 +773,7 @@ class Engine:
             output_logprobs=seq.logprobs, output_top_logprobs=seq.top,
             input_token_ids=req.input_ids[start:], input_logprobs=seq.input_lp, input_top_logprobs=seq.input_top,
             weight_version=self.weight_version, e2e_latency=now - seq.t_arrival,
-            queue_time=seq.t_admitted - seq.t_arrival)
+            queue_time=seq.t_admitted - seq.t_arrival, cached_tokens=seq.cached_tokens)
         try:
             seq.callback(result)
         except Exception:
@@ -629,6 +800,8 @@ class Engine:
         if problem:
             return False, f"Weights in {model_path} do not match the served model ({problem}); kept the old weights."
         self.model, self.config = new_model, new_model.config
+        if self.prefix_cache is not None:   # its KV was computed by the old weights
+            self.prefix_cache.flush()
         self.model_path = model_path
         if version is not None:
             self.weight_version = str(version)

@@ -1,0 +1,225 @@
+"""``n > 1``, streaming and the prefix cache over HTTP, against a real embedded server process.
+
+Streamed and fanned-out replies are checked against the plain (n=1, non-streaming) reply of
+the same greedy request, and sampled copies against an independent transformers forward.
+"""
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from aflow_rl.bench.serving import start_server, stop_server
+from tests.serving.test_embedded import TOL, generate, recompute, stats
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """A real embedded server process (prefix cache on, the default); yields its base URL."""
+    log = str(tmp_path_factory.mktemp("streaming") / "server.log")
+    proc, url = start_server(tiny_model_dir, None, log)
+    try:
+        yield url
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=60.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model_a(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+LONG = "Spawn four subagents, give each one item, then join their results and answer. " * 3
+
+
+def sse_events(client: httpx.Client, path: str, payload: dict) -> list:
+    """POST and read the whole Server-Sent Events stream; returns the decoded data objects."""
+    events = []
+    with client.stream("POST", path, json=payload) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+# ---- the prefix cache over HTTP -------------------------------------------------------------------------
+
+def test_repeated_prefix_reports_cached_tokens_and_flush_empties_it(http, tok):
+    ids = tok.encode(LONG)
+    assert len(ids) > 64
+    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True}
+    first = generate(http, **payload)
+    second = generate(http, **payload)
+    assert second["meta_info"]["cached_tokens"] >= 32 * ((len(ids) - 1) // 32) > 0
+    assert second["output_ids"] == first["output_ids"]
+    assert second["meta_info"]["output_token_logprobs"] == first["meta_info"]["output_token_logprobs"]
+    info = stats(http)
+    assert info["prefix_cache"] is True and info["cached_tokens"] > 0 and info["prefix_cache_tokens"] > 0
+    assert http.post("/flush_cache").status_code == 200
+    third = generate(http, **payload)
+    assert third["meta_info"]["cached_tokens"] == 0
+    assert third["meta_info"]["output_token_logprobs"] == first["meta_info"]["output_token_logprobs"]
+
+
+# ---- n > 1 --------------------------------------------------------------------------------------------
+
+def test_generate_n_expands_prompt_major_and_shares_the_prefill(http, tok, model_a):
+    prompts = [LONG, "Join the results of every subagent. " * 6]
+    replies = generate(http, text=prompts, sampling_params={"n": 3, "temperature": 1.0, "max_new_tokens": 12},
+                       return_logprob=True)
+    assert isinstance(replies, list) and len(replies) == 6
+    assert len({r["meta_info"]["id"] for r in replies}) == 6
+    for k, reply in enumerate(replies):
+        ids = tok.encode(prompts[k // 3])
+        assert reply["meta_info"]["prompt_tokens"] == len(ids)          # prompt-major order
+        out = reply["output_ids"]
+        got = torch.tensor([row[0] for row in reply["meta_info"]["output_token_logprobs"]])
+        assert (recompute(model_a, ids, out, 1.0) - got).abs().max().item() < TOL
+        if k % 3:   # the copies after the first reuse its prompt KV
+            assert reply["meta_info"]["cached_tokens"] >= 32, reply["meta_info"]
+    assert len({tuple(r["output_ids"]) for r in replies}) > 2          # sampled independently
+    single = generate(http, text=LONG, sampling_params={"n": 2, "max_new_tokens": 3})
+    assert isinstance(single, list) and len(single) == 2               # one prompt, n > 1: a list (SGLang)
+
+
+def test_chat_n_gives_n_choices(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", timeout=60)
+    resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": LONG}], n=3,
+                                          max_tokens=8, temperature=1.0, logprobs=True, top_logprobs=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert all(len(c.logprobs.content) >= 1 for c in resp.choices)
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.content) + (c.finish_reason == "stop")
+                                               for c in resp.choices)
+    plain = client.chat.completions.create(model="m", messages=[{"role": "user", "content": LONG}], max_tokens=1)
+    assert resp.usage.prompt_tokens == plain.usage.prompt_tokens     # the shared prompt counts once
+
+
+@pytest.mark.parametrize("payload, needle", [
+    ({"text": "hi", "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"text": "hi", "sampling_params": {"n": 1000}}, "sampling_params.n"),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "the same for every prompt"),
+    ({"text": "hi", "stream": "yes"}, "stream must be true or false"),
+])
+def test_bad_n_or_stream_is_a_400(http, payload, needle):
+    r = http.post("/generate", json=payload)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+# ---- streaming -----------------------------------------------------------------------------------------
+
+def test_generate_stream_matches_the_plain_reply(http, tok):
+    payload = {"input_ids": tok.encode(LONG), "return_logprob": True,
+               "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    plain = generate(http, **payload)
+    events = sse_events(http, "/generate", {**payload, "stream": True})
+    assert len(events) >= 2                                   # partial updates, then the final reply
+    final = events[-1]
+    assert final["text"] == plain["text"] and final["output_ids"] == plain["output_ids"]
+    assert final["meta_info"]["output_token_logprobs"] == plain["meta_info"]["output_token_logprobs"]
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+    for ev in events[:-1]:                                    # cumulative, a prefix of the final reply
+        assert ev["meta_info"]["finish_reason"] is None
+        n = len(ev["output_ids"])
+        assert ev["output_ids"] == plain["output_ids"][:n] and plain["text"].startswith(ev["text"])
+        assert ev["meta_info"]["output_token_logprobs"] == plain["meta_info"]["output_token_logprobs"][:n]
+
+
+def test_generate_stream_with_n_and_a_stop_string_never_sends_trimmed_text(http, tok):
+    plain = generate(http, text=LONG, sampling_params={"max_new_tokens": 30, "temperature": 0, "ignore_eos": True})
+    stop = plain["text"][6:9]                                  # a stop string the greedy output will contain
+    assert len(stop) == 3
+    params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": stop, "n": 2}
+    events = sse_events(http, "/generate", {"text": LONG, "sampling_params": params, "stream": True})
+    finals = {ev["index"]: ev for ev in events if ev["meta_info"]["finish_reason"] is not None}
+    assert sorted(finals) == [0, 1]
+    for i, final in finals.items():
+        assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stop not in final["text"] and plain["text"].startswith(final["text"])
+        assert all(final["text"].startswith(ev["text"]) for ev in events if ev["index"] == i)
+
+
+def test_chat_stream_with_the_openai_sdk(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", timeout=60)
+    messages = [{"role": "user", "content": LONG}]
+    # The same two sequences without streaming: decoded in a batch of two alike, so equal to the bit
+    # (a batch of one rounds differently in the 7th digit).
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0, n=2,
+                                           logprobs=True)
+    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0, n=2,
+                                            logprobs=True, stream=True, stream_options={"include_usage": True})
+    text, lps, finish, usage = ["", ""], [[], []], [None, None], None
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text[c.index] += c.delta.content or ""
+            lps[c.index] += [e.logprob for e in (c.logprobs.content if c.logprobs else [])]
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert text == [c.message.content for c in plain.choices]
+    assert lps == [[e.logprob for e in c.logprobs.content] for c in plain.choices]
+    assert finish == [c.finish_reason for c in plain.choices]
+    assert usage.completion_tokens == plain.usage.completion_tokens and usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_a_closed_stream_aborts_its_request(http, server, tok):
+    payload = {"input_ids": tok.encode("Go on and on."), "stream": True,
+               "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    with httpx.Client(base_url=server, timeout=60) as client:
+        with client.stream("POST", "/generate", json=payload) as r:
+            next(r.iter_lines())                               # the first update arrives, then we hang up
+    deadline = time.monotonic() + 20
+    while stats(http)["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stats(http)["running"] == 0
+
+
+def test_chat_bad_n_or_logprobs_is_a_400(http):
+    msgs = [{"role": "user", "content": "hi"}]
+    for payload, needle in (({"messages": msgs, "n": 0}, "n must be"), ({"messages": msgs, "n": 2, "logprobs": "y"},
+                                                                        "logprobs must be true or false")):
+        r = http.post("/v1/chat/completions", json=payload)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_a_server_without_the_cache_answers_the_same(http, tok, tiny_model_dir, tmp_path):
+    """--disable-radix-cache (SGLang's flag) over HTTP: nothing cached, the same greedy tokens and logprobs."""
+    payload = {"input_ids": tok.encode(LONG), "return_logprob": True, "logprob_start_len": 40,
+               "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    generate(http, **payload)
+    cached = generate(http, **payload)
+    assert cached["meta_info"]["cached_tokens"] == 32
+    proc, url = start_server(tiny_model_dir, None, str(tmp_path / "off.log"), extra_args=["--disable-radix-cache"])
+    try:
+        with httpx.Client(base_url=url, timeout=60) as off:
+            plain = [generate(off, **payload) for _ in range(2)]
+            assert off.get("/get_server_info").json()["internal_states"][0]["prefix_cache"] is False
+    finally:
+        stop_server(proc)
+    for reply in plain:
+        assert reply["meta_info"]["cached_tokens"] == 0
+        assert reply["output_ids"] == cached["output_ids"]
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            assert reply["meta_info"][key] == cached["meta_info"][key]
