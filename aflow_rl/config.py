@@ -191,6 +191,7 @@ class AflowConfig:
     max_samples: int = _f(5, "Complexity limit: most samples of a generator node, candidates of an ensemble, MdEnsemble votes.")
     max_loop_rounds: int = _f(3, "Complexity limit: most Revise max_rounds, Test max_fixes, Programmer attempts.")
     code_timeout_s: float = _f(10.0, "Sandbox wall-clock limit of one Programmer/Test code run.")
+    episode_rounds: int = _f(1, "Training: optimisation rounds per episode (propose -> evaluate -> propose from the result); > 1 gives GiGPO anchor-state groups.")
     scoring: Literal["default", "aflow"] = _f("default", "Benchmark verdicts: default (complete number/LaTeX reading) | aflow (AFlow's own scorers, comparable with its published table); docs/scoring.md.")
 
 
@@ -530,6 +531,7 @@ _MINIMUMS = {
                               "has zero advantage and trains nothing"),
     "rollout.tasks_per_step": (1, "tasks per iteration"),
     "env.swarm.max_steps": (1, "orchestrator turns per episode"),
+    "env.aflow.episode_rounds": (1, "optimisation rounds per AFlow training episode"),
     "trainer.ppo_epochs": (1, "passes over each batch; 0 makes no update"),
     "trainer.micro_batch_size": (1, "sequences per forward/backward"),
     "trainer.grad_accum": (1, "micro-batches per optimizer step"),
