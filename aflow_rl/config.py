@@ -180,7 +180,7 @@ class AflowConfig:
     top_k: int = _f(3, "selection=aflow: the parent is drawn from the best top_k rounds (round 1 always included).")
     selection: Literal["aflow", "mcts"] = _f("mcts", "Parent selection: aflow (soft-mixed prior) | mcts (prior + experience Q-values).")
     prior_weight: float = _f(0.5, "MCTS: weight w of AFlow's score prior against a uniform one in PUCT (0: Q and visit counts only).")
-    q_prior_count: float = _f(1.0, "MCTS: pseudo-visits n0 shrinking an option's mean improvement toward its value estimate (0 without a value hook).")
+    q_prior_count: float = _f(1.0, "MCTS: pseudo-visits n0 shrinking an option's mean improvement toward 0 (no expected gain).")
     c_puct: float = _f(0.5, "MCTS: weight c of the PUCT exploration term c*prior*sqrt(N(parent))/(1+N(child)).")
     format_penalty: float = _f(-0.1, "Reward of an invalid or unchanged proposal (never executed); also its recorded improvement.")
     initial_workflow: str = _f("", "YAML file of the round-1 workflow (empty: AFlow's single generation node).")
