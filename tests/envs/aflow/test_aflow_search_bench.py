@@ -75,6 +75,49 @@ def test_summary_mean_and_spread():
     assert s["test_mean"] == pytest.approx(0.2) and s["test_spread"] == pytest.approx(0.1)
 
 
+class ChainProposer:
+    """Stand-in optimizer: appends a Format node to a workflow without one, else another Custom node."""
+
+    async def __call__(self, state):
+        from aflow_rl.envs.aflow.optimizer import Proposal
+
+        parent = Workflow.from_yaml(state.parent_yaml)
+        op = "Custom" if any(n.op == "Format" for n in parent.nodes) else "Format"
+        nid = f"n{len(parent.nodes) + 1}"
+        params = {"instruction": "again"} if op == "Custom" else {}
+        child = Workflow(nodes=parent.nodes + [Node(id=nid, op=op, params=params, inputs=[parent.output])],
+                         output=nid)
+        return Proposal(text=json.dumps(child.to_dict()))
+
+
+def test_run_seed_finds_the_better_workflow_without_servers(tmp_path, monkeypatch):
+    """The fast end-to-end check (the CLI smoke below starts servers and is slow): every method on a
+    split, with an executor that answers right only when asked for the bare final answer (Format)."""
+    from aflow_rl.config import load_config
+
+    def respond(prompt):
+        i = int(prompt.split(" + 1")[0].split()[-1])
+        return str(i + 1) if prompt.startswith("Problem:") and "State the final answer" in prompt else "0"
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "aflow_smol.yaml"),
+                      ["env.aflow.num_problems=6", "env.aflow.val_ratio=0.34"])
+    monkeypatch.setattr(bench, "seed_split", lambda c, seed: (_problems(6)[:2], _problems(6)[2:]))
+    evaluator = bench.CachedEvaluator(cfg.env.aflow, ScriptedExecutor(respond))
+    proposers = {m: ChainProposer() for m in ("aflow", "mcts", "trained")}
+    row = asyncio.run(bench.run_seed(cfg, 0, 3, evaluator, proposers, str(tmp_path)))
+    assert row["io"]["test"] == 0.0 and row["io"]["curve"] == [0.0, 0.0, 0.0]
+    for method in ("aflow", "mcts", "trained"):
+        r = row[method]
+        assert r["test"] == 1.0 and r["val"] == 1.0 and "Format" in r["ops"]
+        assert r["curve"] == [0.0, 1.0, 1.0] and r["accepted"] + r["rejected"] == 3 and r["accepted"] >= 2
+        assert os.path.isfile(tmp_path / "seed0" / method / "best.yaml")
+    # Each workflow is computed once for all three methods (the per-problem cache): IO on all 6 problems,
+    # the Format child on val (2) and test (4), and at most one deeper child (all proposers are the same).
+    deeper = any(row[m]["accepted"] == 3 for m in ("aflow", "mcts", "trained"))
+    assert evaluator.fresh == 6 + 2 + 4 + (2 if deeper else 0)
+
+
+@pytest.mark.slow
 def test_smoke_runs_every_method_and_writes_json_yaml_png(tmp_path, capsys):
     out, js = tmp_path / "bench", tmp_path / "res" / "search.json"
     assert bench.main(["--smoke", "--out", str(out), "--json", str(js)]) == 0
