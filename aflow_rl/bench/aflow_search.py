@@ -331,6 +331,17 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(result: dict) -> str:
+    """The summary as a markdown table (what docs/benchmarks.md shows)."""
+    lines = ["| method | test score, mean ± half-range | per seed (test) | best validation per seed | best workflow per seed |",
+             "|---|---:|---|---|---|"]
+    for method, r in result["summary"].items():
+        ops = "; ".join(" → ".join(o) for o in r["ops"])
+        lines.append(f"| {method} | {r['test_mean']:.3f} ± {r['test_spread']:.3f} | "
+                     f"{', '.join(f'{v:.3f}' for v in r['test'])} | {', '.join(f'{v:.3f}' for v in r['val'])} | {ops} |")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path: str) -> None:
     """Best validation score so far per round, per selection method (mean over seeds, min-max band)."""
     import matplotlib

@@ -73,6 +73,8 @@ def test_summary_mean_and_spread():
     per_seed = {0: {"io": {"test": 0.1, "val": 0.0}}, 1: {"io": {"test": 0.3, "val": 0.5}}}
     s = bench.summarize(per_seed)["io"]
     assert s["test_mean"] == pytest.approx(0.2) and s["test_spread"] == pytest.approx(0.1)
+    table = bench.markdown({"summary": bench.summarize(per_seed)}).splitlines()
+    assert len(table) == 3 and table[2].startswith("| io | 0.200 ± 0.100 | 0.100, 0.300 | 0.000, 0.500 | Custom; Custom |")
 
 
 class ChainProposer:
