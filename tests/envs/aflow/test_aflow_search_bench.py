@@ -4,7 +4,6 @@ import asyncio
 import json
 import os
 
-import numpy as np
 import pytest
 
 from aflow_rl.bench import aflow_search as bench
