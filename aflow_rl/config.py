@@ -179,7 +179,7 @@ class AflowConfig:
     top_k: int = _f(3, "selection=aflow: the parent is drawn from the best top_k rounds (round 1 always included).")
     selection: Literal["aflow", "mcts"] = _f("mcts", "Parent selection: aflow (soft-mixed prior) | mcts (prior + experience Q-values).")
     prior_weight: float = _f(0.5, "MCTS: weight w of AFlow's score prior against a uniform one in PUCT (0: Q and visit counts only).")
-    q_prior_count: float = _f(1.0, "MCTS: pseudo-visits n0 shrinking an option's mean improvement toward its value estimate (0 without a value hook).")
+    q_prior_count: float = _f(1.0, "MCTS: pseudo-visits n0 shrinking an option's mean improvement toward 0 (no expected gain).")
     c_puct: float = _f(0.5, "MCTS: weight c of the PUCT exploration term c*prior*sqrt(N(parent))/(1+N(child)).")
     format_penalty: float = _f(-0.1, "Reward of an invalid or unchanged proposal (never executed); also its recorded improvement.")
     initial_workflow: str = _f("", "YAML file of the round-1 workflow (empty: AFlow's single generation node).")
@@ -190,6 +190,7 @@ class AflowConfig:
     max_samples: int = _f(5, "Complexity limit: most samples of a generator node, candidates of an ensemble, MdEnsemble votes.")
     max_loop_rounds: int = _f(3, "Complexity limit: most Revise max_rounds, Test max_fixes, Programmer attempts.")
     code_timeout_s: float = _f(10.0, "Sandbox wall-clock limit of one Programmer/Test code run.")
+    episode_rounds: int = _f(1, "Training: optimisation rounds per episode (propose -> evaluate -> propose from the result); > 1 gives GiGPO anchor-state groups.")
     scoring: Literal["default", "aflow"] = _f("default", "Benchmark verdicts: default (complete number/LaTeX reading) | aflow (AFlow's own scorers, comparable with its published table); docs/scoring.md.")
 
 
@@ -551,6 +552,7 @@ _MINIMUMS = {
                               "has zero advantage and trains nothing"),
     "rollout.tasks_per_step": (1, "tasks per iteration"),
     "env.swarm.max_steps": (1, "orchestrator turns per episode"),
+    "env.aflow.episode_rounds": (1, "optimisation rounds per AFlow training episode"),
     "trainer.ppo_epochs": (1, "passes over each batch; 0 makes no update"),
     "trainer.micro_batch_size": (1, "sequences per forward/backward"),
     "trainer.grad_accum": (1, "micro-batches per optimizer step"),

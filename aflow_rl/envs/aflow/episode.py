@@ -1,4 +1,4 @@
-"""Training on the search: one episode = one workflow proposal from a parent.
+"""Training on the search: one episode = ``env.aflow.episode_rounds`` workflow proposals from a parent.
 
 ``make_tasks(cfg, n, seed)`` draws ``n`` parents from the shared search
 state under ``run_dir/search`` (the experience pool's executed workflows,
@@ -8,6 +8,18 @@ proposals from the same parent. ``run_proposal_episode(task, ctx)`` makes one
 proposal turn (``generate_turn``, anchor key = the parent's hash, the GiGPO
 anchor state), validates the child, evaluates it on the validation split and
 records the experience, so training and search grow the same tree.
+
+With ``episode_rounds`` K > 1 the episode goes on from the result (propose
+-> evaluate -> propose from the result): round t+1 proposes from round t's
+child when that child scored strictly better than its parent, else from the
+same parent again (``next_parent``). Each round is one turn whose anchor key
+is the workflow it proposed from, so rounds of a group's episodes that stand
+on the same intermediate workflow (the shared start, a child two episodes
+both found, or a parent all their children failed to beat) form GiGPO
+anchor-state step groups; with K = 1 every step group equals its episode
+group and GiGPO reduces to GRPO. Round t's reward below is turn t's
+``step_reward`` (the last round's is the terminal reward), so the episode's
+return is the sum over its rounds.
 
 Reward (components as the trainer shapes them, ``final = r_perf + format``):
 
@@ -33,7 +45,8 @@ import asyncio
 import dataclasses
 import functools
 import time
-from typing import Any
+from collections import Counter
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -113,8 +126,44 @@ async def _scored_parent(task: dict, pool: SharedExperiencePool, evaluate, ctx: 
     return node
 
 
+def next_parent(parent: TreeNode, outcome: Any) -> TreeNode:
+    """The workflow the next round of an episode proposes from: the child when it scored strictly
+    better than its parent, else the parent again (a rejected or no-better child changes nothing).
+
+    Staying on the parent is what makes rounds of different episodes meet in the same anchor state."""
+    if not outcome.accepted or outcome.child_score is None or outcome.child_score <= parent.score:
+        return parent
+    return TreeNode(hash=outcome.child_hash, round=parent.round + 1, score=float(outcome.child_score),
+                    parent_hash=parent.hash, workflow=outcome.child_yaml)
+
+
+async def _propose_round(parent: TreeNode, task: dict, ctx: WorkerContext, evaluate, pool: SharedExperiencePool,
+                         rnd: int) -> tuple[Any, Any]:
+    """One round of an episode from ``parent``: generate (anchor key = parent hash), validate, evaluate, record."""
+    cfg, st = ctx.config, ctx.state
+    a = cfg.env.aflow
+    seed, sample = int(task.get("seed", 0)), int(task.get("sample", 0))
+    # Round 0 keeps the single-round episode's seeding, so old runs replay.
+    rng = np.random.default_rng(seed * 1_000_003 + sample if rnd == 0 else [seed, sample, rnd])
+    state = build_state(parent, pool, rng, failures_shown=a.failures_shown, kind=task.get("kind", ""),
+                        max_nodes=a.max_nodes, compact=a.prompt == "compact")
+    proposer = PolicyProposer(st["policy_client"], st["tokenizer"], temperature=cfg.env.temperature,
+                              max_new_tokens=cfg.env.max_new_tokens,
+                              schema=workflow_schema(a.max_nodes, a.max_samples, a.max_loop_rounds))
+    proposal = await proposer(state)
+    outcome = await assess(proposal.text, parent, evaluate=evaluate, runs=a.validation_runs, max_nodes=a.max_nodes,
+                           max_samples=a.max_samples, max_loop_rounds=a.max_loop_rounds, penalty=a.format_penalty)
+    episode_id = str(task.get("episode_id", task["task_id"]))
+    key = f"train/{episode_id}" if rnd == 0 else f"train/{episode_id}/r{rnd}"
+    pool.add(to_experience(outcome, parent, round=0, source="train", key=key,
+                           info={"finish_reason": proposal.finish_reason, "episode_round": rnd}))
+    return proposal, outcome
+
+
 async def run_proposal_episode(task: dict, ctx: WorkerContext) -> Trajectory:
-    """One proposal from the task's parent: generate, validate, evaluate, record, reward."""
+    """``env.aflow.episode_rounds`` rounds from the task's parent, each proposing from the previous
+    round's result (``next_parent``). Round t's reward (``rewards``) is turn t's ``step_reward``; the
+    last round's is the episode's terminal reward, so an episode's return is the sum over its rounds."""
     from aflow_rl.envs.aflow.datasets import Problem
 
     t0 = time.perf_counter()
@@ -125,28 +174,67 @@ async def run_proposal_episode(task: dict, ctx: WorkerContext) -> Trajectory:
     pool: SharedExperiencePool = st["aflow_pool"]
     evaluate = make_evaluate(a, st["actor_client"], [Problem(**p) for p in task["problems"]])
     parent = await _scored_parent(task, pool, evaluate, ctx)
-    rng = np.random.default_rng(int(task.get("seed", 0)) * 1_000_003 + int(task.get("sample", 0)))
-    state = build_state(parent, pool, rng, failures_shown=a.failures_shown, kind=task.get("kind", ""),
-                        max_nodes=a.max_nodes, compact=a.prompt == "compact")
-    proposer = PolicyProposer(st["policy_client"], st["tokenizer"], temperature=cfg.env.temperature,
-                              max_new_tokens=cfg.env.max_new_tokens,
-                              schema=workflow_schema(a.max_nodes, a.max_samples, a.max_loop_rounds))
-    proposal = await proposer(state)
-    outcome = await assess(proposal.text, parent, evaluate=evaluate, runs=a.validation_runs, max_nodes=a.max_nodes,
-                           max_samples=a.max_samples, max_loop_rounds=a.max_loop_rounds, penalty=a.format_penalty)
+    start = parent
+    rounds: list[tuple[TreeNode, Any, Any, dict]] = []
+    for rnd in range(int(a.episode_rounds)):
+        proposal, outcome = await _propose_round(parent, task, ctx, evaluate, pool, rnd)
+        comps = rewards(parent.score, outcome.child_score if outcome.accepted else None, a.format_penalty)
+        if proposal.turn is not None:
+            proposal.turn.step_reward = comps["r_perf"] + comps["format"]
+        rounds.append((parent, proposal, outcome, comps))
+        parent = next_parent(parent, outcome)
+    return _trajectory(task, start, parent, rounds, time.perf_counter() - t0)
+
+
+def _trajectory(task: dict, start: TreeNode, end: TreeNode, rounds: list, seconds: float) -> Trajectory:
+    """The episode's record: one turn per round; the last round's reward is the terminal one."""
+    turns = [p.turn for _, p, _, _ in rounds if p.turn is not None]
+    if turns:
+        turns[-1].step_reward = 0.0  # the last round's reward travels as the terminal reward instead
+    _, last_proposal, last, comps = rounds[-1]
+    accepted = [o for _, _, o, _ in rounds if o.accepted]
+    child_nodes = len(last.child.nodes) if last.child is not None else 0
     episode_id = str(task.get("episode_id", task["task_id"]))
-    pool.add(to_experience(outcome, parent, round=0, source="train", key=f"train/{episode_id}",
-                           info={"finish_reason": proposal.finish_reason}))
-    comps = rewards(parent.score, outcome.child_score if outcome.accepted else None, a.format_penalty)
-    child_nodes = len(outcome.child.nodes) if outcome.child is not None else 0
     return Trajectory(
         episode_id=episode_id, group_id=str(task.get("group_id", task["task_id"])),
-        attempt=int(task.get("attempt", 1)), turns=[proposal.turn] if proposal.turn is not None else [],
+        attempt=int(task.get("attempt", 1)), turns=turns,
         final_reward=comps["r_perf"] + comps["format"], reward_components=comps,
-        metrics={"valid": float(outcome.accepted), "parent_score": parent.score,
-                 "child_score": outcome.child_score if outcome.accepted else 0.0,
-                 "improvement": outcome.improvement if outcome.accepted else 0.0,
-                 "child_nodes": float(child_nodes), "eval_cost_usd": outcome.cost_usd,
-                 "wall_clock_ms": 1000 * (time.perf_counter() - t0)},
-        info={"parent_hash": parent.hash, "parent_round": parent.round, "child_hash": outcome.child_hash,
-              "modification": outcome.modification, "reason": outcome.reason, "proposal": proposal.text})
+        metrics={"valid": len(accepted) / len(rounds), "parent_score": start.score,
+                 "child_score": last.child_score if last.accepted else 0.0,
+                 "improvement": last.improvement if last.accepted else 0.0,
+                 "episode_improvement": end.score - start.score,
+                 "episode_return": float(sum(c["r_perf"] + c["format"] for _, _, _, c in rounds)),
+                 "child_nodes": float(child_nodes), "eval_cost_usd": float(sum(o.cost_usd for _, _, o, _ in rounds)),
+                 "wall_clock_ms": 1000 * seconds},
+        info={"parent_hash": start.hash, "parent_round": start.round, "child_hash": last.child_hash,
+              "modification": last.modification, "reason": last.reason, "proposal": last_proposal.text,
+              "rounds": [{"parent_hash": p.hash, "child_hash": o.child_hash, "accepted": o.accepted,
+                          "child_score": o.child_score, "reason": o.reason, "modification": o.modification}
+                         for p, _, o, _ in rounds]})
+
+
+def anchor_group_fraction(trajectories: Sequence[Trajectory]) -> float:
+    """Share of the turns of ``trajectories`` that fall in GiGPO step groups of two or more.
+
+    A step group is GiGPO's: the turns of one task group (``group_id``) with the same
+    ``anchor_key`` (``algos.advantages.gigpo``); turns without an anchor key are groups of
+    their own. 0.0 for no turns. With single-round AFlow episodes every turn of a group shares
+    the parent's key, so this is 1.0 and says nothing; what matters with ``episode_rounds`` > 1
+    is the share beyond the first round (``anchor_group_fraction`` of the later turns alone).
+    """
+    keys = [(t.group_id, turn.anchor_key) for t in trajectories for turn in t.turns]
+    if not keys:
+        return 0.0
+    counts = Counter(k for k in keys if k[1] is not None)
+    return sum(1 for k in keys if k[1] is not None and counts[k] >= 2) / len(keys)
+
+
+def later_round_group_fraction(trajectories: Sequence[Trajectory]) -> float:
+    """``anchor_group_fraction`` counted over the turns after each episode's first only (their
+    groups still include first-round turns): the anchor sharing multi-round episodes add."""
+    keys = [(t.group_id, turn.anchor_key) for t in trajectories for turn in t.turns]
+    later = [(t.group_id, turn.anchor_key) for t in trajectories for turn in t.turns[1:]]
+    if not later:
+        return 0.0
+    counts = Counter(k for k in keys if k[1] is not None)
+    return sum(1 for k in later if k[1] is not None and counts[k] >= 2) / len(later)

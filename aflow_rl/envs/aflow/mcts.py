@@ -28,8 +28,8 @@ the same tree statistics.
     P(o)   = λ/|O| + (1−λ)·softmax_o(α·100·(S_o − max S))          AFlow's soft-mixed formula over S
     π(o)   = w·P(o) + (1−w)/|O|                                     prior, w = prior_weight
     N(v*)  = n_v, Q̄(v*) = w_v/n_v;   N(c), Q̄(c) = N(c), Q(c)         option visits and mean outcome
-    Q̃(o)   = (N(o)·Q̄(o) + n0·V(o)) / (N(o) + n0)                    shrunk toward the value hook's V (0 without);
-                                                                       Q̃ = V when N(o) + n0 = 0
+    Q̃(o)   = N(o)·Q̄(o) / (N(o) + n0)                                 shrunk toward 0 ("no expected gain");
+                                                                       Q̃ = 0 when N(o) + n0 = 0
     U(o)   = Q̃(o) + c·π(o)·sqrt(max(N(v), 1)) / (1 + N(o))          PUCT, c = c_puct,
                                                                        N(v) = Σ_o N(o) = n_v + Σ_c N(c)
 
@@ -37,10 +37,12 @@ and take argmax_o U(o) (exact ties broken by the round's generator). Choosing
 v* ends the descent: v is the node to expand. A leaf has only v*. The
 ``max(N(v), 1)`` lets a never-visited node's first choice follow its prior
 instead of a tie of zeros. n0 (``q_prior_count``) pseudo-visits keep one
-lucky expansion from dominating and start an unvisited option at V, the
-value hook's estimate of expanding it (e.g. from the policy's value head; 0,
-"no expected gain", without one); an option whose expansions mostly fail
-drops below 0, which is the pressure to look elsewhere.
+lucky expansion from dominating and start an unvisited option at 0, "no
+expected gain"; an option whose expansions mostly fail drops below 0, which
+is the pressure to look elsewhere. There is no learned value term: the
+optimizer policy is trained critic-free (GRPO/GiGPO), so it has no value
+estimate to offer, and the Monte-Carlo estimate of a node's worth, the mean
+improvement of its recorded expansions, is Q̄ itself.
 
 w = 0 removes the scores from selection altogether (a uniform prior: the
 choice is driven by Q̃ and visit counts alone); w = 1 uses AFlow's prior for
@@ -58,7 +60,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -80,9 +82,6 @@ class TreeNode:
     workflow: str = ""                # its YAML
     children: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
-
-
-ValueFn = Callable[[Sequence[TreeNode]], Sequence[float]]
 
 
 class SearchTree:
@@ -188,14 +187,14 @@ def backup(tree: SearchTree, own: Mapping[str, QStats], pending: Mapping[str, in
     return stats
 
 
-def shrunk_q(stats: Any, value: float = 0.0, prior_count: float = 1.0) -> float:
-    """``Q̃ = (N·Q̄ + n0·V) / (N + n0)``; V when N + n0 = 0.
+def shrunk_q(stats: Any, prior_count: float = 1.0) -> float:
+    """``Q̃ = N·Q̄ / (N + n0)``; 0 when N + n0 = 0.
 
     ``stats``: anything with ``visits`` and ``mean_improvement`` (``QStats``, ``NodeStats``)."""
     denom = stats.visits + prior_count
     if denom <= 0:
-        return float(value)
-    return (stats.visits * stats.mean_improvement + prior_count * value) / denom
+        return 0.0
+    return stats.visits * stats.mean_improvement / denom
 
 
 def prior_probabilities(scores: Sequence[float], *, prior_weight: float, alpha: float = ALPHA,
@@ -258,14 +257,14 @@ class TreeSelector:
     """Parent selection over a ``SearchTree``: MCTS descent (``mcts``) or AFlow's rule (``aflow``).
 
     ``prior_weight`` (w), ``q_prior_count`` (n0), ``c_puct`` (c) and
-    ``value_fn`` (V) are the terms of the module docstring's formulas;
+    are the terms of the module docstring's formulas;
     ``top_k`` is AFlow's candidate count (``aflow`` mode only: the tree
     search reaches every node).
     """
 
     def __init__(self, pool: SharedExperiencePool | None = None, *, mode: SelectionMode = "mcts",
                  prior_weight: float = 0.5, top_k: int = 3, q_prior_count: float = 1.0,
-                 value_fn: ValueFn | None = None, alpha: float = ALPHA, lam: float = LAMBDA,
+                 alpha: float = ALPHA, lam: float = LAMBDA,
                  c_puct: float = C_PUCT):
         if mode not in ("aflow", "mcts"):
             raise ValueError(f"selection mode must be aflow or mcts, got {mode!r}")
@@ -276,7 +275,7 @@ class TreeSelector:
         if c_puct < 0:
             raise ValueError(f"c_puct must be >= 0, got {c_puct}")
         self.pool, self.mode, self.prior_weight, self.top_k = pool, mode, float(prior_weight), int(top_k)
-        self.q_prior_count, self.value_fn, self.alpha, self.lam = float(q_prior_count), value_fn, alpha, lam
+        self.q_prior_count, self.alpha, self.lam = float(q_prior_count), alpha, lam
         self.c_puct = float(c_puct)
 
     # -- AFlow's rule (selection: aflow) ----------------------------------------------------------
@@ -302,12 +301,9 @@ class TreeSelector:
         """The options at ``node``, their prior, Q̃, visits and PUCT scores, and the choice."""
         options = [node] + [tree.nodes[h] for h in node.children if h in tree.nodes]
         option_stats = [stats[node.hash].own] + [stats[c.hash] for c in options[1:]]
-        values = list(self.value_fn(options)) if self.value_fn is not None else [0.0] * len(options)
-        if len(values) != len(options):
-            raise ValueError(f"value_fn returned {len(values)} values for {len(options)} nodes")
         prior = prior_probabilities([o.score for o in options], prior_weight=self.prior_weight,
                                     alpha=self.alpha, lam=self.lam)
-        q = np.asarray([shrunk_q(st, float(v), self.q_prior_count) for st, v in zip(option_stats, values)])
+        q = np.asarray([shrunk_q(st, self.q_prior_count) for st in option_stats])
         visits = [int(st.visits) for st in option_stats]
         scores = puct_scores(q, prior, visits, self.c_puct)
         best = np.flatnonzero(scores >= scores.max() - 1e-12)

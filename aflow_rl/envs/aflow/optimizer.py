@@ -53,7 +53,7 @@ import numpy as np
 from aflow_rl.envs.aflow.experience import Experience, SharedExperiencePool
 from aflow_rl.envs.aflow.graph import (WORKFLOW_SCHEMA, Workflow, WorkflowError, operator_docs, parse_workflow,
                                        validate, workflow_hash)
-from aflow_rl.envs.aflow.mcts import SearchTree, TreeNode, TreeSelector, ValueFn
+from aflow_rl.envs.aflow.mcts import SearchTree, TreeNode, TreeSelector
 
 SEARCH_DIRNAME = "search"
 POOL_FILENAME = "experience.db"
@@ -417,7 +417,7 @@ class Optimizer:
 
     def __init__(self, cfg: Any, directory: str, *, proposer: Proposer, evaluate: EvaluateFn,
                  initial: Workflow, seed: int = 0, kind: str = "", num_problems: int = 0,
-                 pool: SharedExperiencePool | None = None, value_fn: ValueFn | None = None,
+                 pool: SharedExperiencePool | None = None,
                  log: Callable[[str], None] | None = None):
         self.cfg, self.dir = cfg, directory
         self.proposer, self.evaluate, self.initial = proposer, evaluate, initial
@@ -425,8 +425,7 @@ class Optimizer:
         os.makedirs(os.path.join(directory, "workflows"), exist_ok=True)
         self.pool = pool or SharedExperiencePool(os.path.join(directory, POOL_FILENAME))
         self.selector = TreeSelector(self.pool, mode=cfg.selection, prior_weight=cfg.prior_weight,
-                                     top_k=cfg.top_k, q_prior_count=cfg.q_prior_count, c_puct=cfg.c_puct,
-                                     value_fn=value_fn)
+                                     top_k=cfg.top_k, q_prior_count=cfg.q_prior_count, c_puct=cfg.c_puct)
         self.log = log or (lambda msg: print(msg, flush=True))
         self.results_path = os.path.join(directory, RESULTS_FILENAME)
         self.results = load_results(self.results_path)

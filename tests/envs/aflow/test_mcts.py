@@ -153,23 +153,21 @@ def test_prior_weight_one_is_aflows_prior_over_the_options(tmp_path):
     np.testing.assert_allclose(level.prior, selection_probabilities([0.3, 0.5, 0.4]), rtol=1e-12)
 
 
-def test_value_hook_fills_unvisited_options(tmp_path):
-    seen = []
-
-    def value_fn(nodes):
-        seen.append([n.hash for n in nodes])
-        return [0.3 if n.hash == "B" else 0.0 for n in nodes]   # the policy expects expanding below B to pay
-
-    descent = TreeSelector(_pool(tmp_path), prior_weight=0.5, c_puct=0.5, value_fn=value_fn).descend(_tree())
-    assert seen == [["R", "A", "B"], ["B"]]
-    # Q̃(B) = (1·(-0.1) + 1·0.3)/2 = 0.1, now the best option; B's only option is expanding B.
-    assert descent.levels[0].q[2] == pytest.approx(0.1) and descent.leaf.hash == "B"
+def test_unvisited_options_start_at_zero_and_n0_shrinks_toward_it(tmp_path):
+    # No learned value term: an unvisited option's Q̃ is 0, a visited one's is N·Q̄/(N + n0).
+    selector = TreeSelector(_pool(tmp_path), prior_weight=0.5, c_puct=0.5, q_prior_count=1.0)
+    level, stats = selector.descend(_tree()).levels[0], selector.stats(_tree())
+    for opt, q in zip(level.options[1:], level.q[1:]):
+        st = stats[opt.hash]
+        assert q == pytest.approx(st.visits * st.mean_improvement / (st.visits + 1.0))
+    with pytest.raises(TypeError):
+        TreeSelector(selector.pool, value_fn=lambda nodes: [0.0] * len(nodes))  # the hook is gone
 
 
 def test_formulas_and_argument_checks():
-    assert shrunk_q(QStats(visits=3, mean_improvement=0.2), 0.5, 1.0) == pytest.approx((0.6 + 0.5) / 4)
-    assert shrunk_q(QStats(), 0.4, 0.0) == 0.4              # N + n0 = 0: the value estimate
-    assert shrunk_q(QStats(visits=2, mean_improvement=0.1), 0.9, 0.0) == pytest.approx(0.1)
+    assert shrunk_q(QStats(visits=3, mean_improvement=0.2), 1.0) == pytest.approx(0.6 / 4)
+    assert shrunk_q(QStats(), 0.0) == 0.0                   # N + n0 = 0: no expected gain
+    assert shrunk_q(QStats(visits=2, mean_improvement=0.1), 0.0) == pytest.approx(0.1)
     expected = 0.25 * selection_probabilities([0.2, 0.6]) + 0.75 * 0.5
     np.testing.assert_allclose(prior_probabilities([0.2, 0.6], prior_weight=0.25), expected, rtol=1e-12)
     np.testing.assert_allclose(puct_scores([0.1, 0.0], [0.5, 0.5], [3, 1], 2.0),

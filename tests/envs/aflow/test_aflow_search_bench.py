@@ -1,0 +1,144 @@
+"""``python -m aflow_rl.bench.aflow_search``: the per-problem evaluation cache, the per-round curve, the
+anchor-group statistics read back from a run's episodes, and the whole bench in smoke mode (tiny models)."""
+import asyncio
+import json
+import os
+
+import pytest
+
+from aflow_rl.bench import aflow_search as bench
+from aflow_rl.config import AflowConfig
+from aflow_rl.envs.aflow.datasets import Problem
+from aflow_rl.envs.aflow.evaluator import evaluate
+from aflow_rl.envs.aflow.graph import Node, Workflow
+from aflow_rl.rollout.types import Trajectory, Turn
+from tests.envs.aflow.test_evaluator import ScriptedExecutor
+
+
+def _problems(n):
+    return [Problem(id=f"p{i}", kind="gsm8k", question=f"{i} + 1 = ?", answer=str(i + 1)) for i in range(n)]
+
+
+def _wf(instruction):
+    return Workflow(nodes=[Node(id="n1", op="Custom", params={"instruction": instruction}, inputs=["problem"])],
+                    output="n1")
+
+
+def test_cached_evaluator_matches_evaluate_and_computes_each_problem_once():
+    # Right on even problems only; the answer is the number after the last space of the question's "i + 1".
+    def respond(prompt):
+        i = int(prompt.split("+")[0].split()[-1])
+        return str(i + 1) if i % 2 == 0 else "no idea"
+
+    a = AflowConfig(eval_concurrency=2, executor_max_tokens=8)
+    probs = _problems(6)
+    ex = ScriptedExecutor(respond)
+    cached = bench.CachedEvaluator(a, ex)
+    first = asyncio.run(cached.run(_wf(""), probs[:4]))
+    direct = asyncio.run(evaluate(_wf(""), probs[:4], executor=ScriptedExecutor(respond), concurrency=2,
+                                  max_tokens=8))
+    assert first.score == direct.score == 0.5 and cached.fresh == 4
+    assert [f["id"] for f in first.failures] == [f["id"] for f in direct.failures] == ["p1", "p3"]
+    calls = len(ex.prompts)
+    again = asyncio.run(cached.on(probs[2:])(_wf("")))       # p2, p3 cached; p4, p5 new
+    assert cached.fresh == 6 and len(ex.prompts) == calls + 2
+    assert again.score == 0.5 and [r.id for r in again.per_problem] == ["p2", "p3", "p4", "p5"]
+    asyncio.run(cached.run(_wf("other"), probs[:1]))         # another workflow is another key
+    assert cached.fresh == 7
+
+
+def test_best_so_far_keeps_the_best_through_rejected_rounds():
+    results = [{"round": 1, "score": 0.2}, {"round": 2, "score": None}, {"round": 3, "score": 0.5},
+               {"round": 3, "score": 0.3}, {"round": 4, "score": 0.1}]
+    assert bench.best_so_far(results, 5) == [0.2, 0.2, 0.4, 0.4, 0.4]
+    assert bench.best_so_far([], 2) == [None, None]
+
+
+def test_anchor_stats_from_episode_files(tmp_path):
+    def traj(eid, group, keys):
+        return Trajectory(episode_id=eid, group_id=group, metrics={"episode_return": 1.0},
+                          turns=[Turn(prompt_ids=[1], response_ids=[2], logprobs=[-1.0], anchor_key=k) for k in keys])
+
+    os.makedirs(tmp_path / "episodes")
+    with open(tmp_path / "episodes" / "step_000001.jsonl", "w") as fh:
+        for t in [traj("a", "g", ["R", "X"]), traj("b", "g", ["R", "R"])]:
+            fh.write(json.dumps(t.to_dict()) + "\n")
+    stats = bench.anchor_stats(str(tmp_path))
+    assert stats["fraction"] == pytest.approx(3 / 4)
+    assert stats["steps"][0]["later_rounds_fraction"] == pytest.approx(1 / 2)
+
+
+def test_summary_mean_and_spread():
+    per_seed = {0: {"io": {"test": 0.1, "val": 0.0}}, 1: {"io": {"test": 0.3, "val": 0.5}}}
+    s = bench.summarize(per_seed)["io"]
+    assert s["test_mean"] == pytest.approx(0.2) and s["test_spread"] == pytest.approx(0.1)
+    table = bench.markdown({"summary": bench.summarize(per_seed)}).splitlines()
+    assert len(table) == 3 and table[2].startswith("| io | 0.200 ± 0.100 | 0.100, 0.300 | 0.000, 0.500 | Custom; Custom |")
+
+
+class ChainProposer:
+    """Stand-in optimizer: appends a Format node to a workflow without one, else another Custom node."""
+
+    async def __call__(self, state):
+        from aflow_rl.envs.aflow.optimizer import Proposal
+
+        parent = Workflow.from_yaml(state.parent_yaml)
+        op = "Custom" if any(n.op == "Format" for n in parent.nodes) else "Format"
+        nid = f"n{len(parent.nodes) + 1}"
+        params = {"instruction": "again"} if op == "Custom" else {}
+        child = Workflow(nodes=parent.nodes + [Node(id=nid, op=op, params=params, inputs=[parent.output])],
+                         output=nid)
+        return Proposal(text=json.dumps(child.to_dict()))
+
+
+def test_run_seed_finds_the_better_workflow_without_servers(tmp_path, monkeypatch):
+    """The fast end-to-end check (the CLI smoke below starts servers and is slow): every method on a
+    split, with an executor that answers right only when asked for the bare final answer (Format)."""
+    from aflow_rl.config import load_config
+
+    def respond(prompt):
+        i = int(prompt.split(" + 1")[0].split()[-1])
+        return str(i + 1) if prompt.startswith("Problem:") and "State the final answer" in prompt else "0"
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "aflow_smol.yaml"),
+                      ["env.aflow.num_problems=6", "env.aflow.val_ratio=0.34"])
+    monkeypatch.setattr(bench, "seed_split", lambda c, seed: (_problems(6)[:2], _problems(6)[2:]))
+    evaluator = bench.CachedEvaluator(cfg.env.aflow, ScriptedExecutor(respond))
+    proposers = {m: ChainProposer() for m in ("aflow", "mcts", "trained")}
+    row = asyncio.run(bench.run_seed(cfg, 0, 3, evaluator, proposers, str(tmp_path)))
+    assert row["io"]["test"] == 0.0 and row["io"]["curve"] == [0.0, 0.0, 0.0]
+    for method in ("aflow", "mcts", "trained"):
+        r = row[method]
+        assert r["test"] == 1.0 and r["val"] == 1.0 and "Format" in r["ops"]
+        assert r["curve"] == [0.0, 1.0, 1.0] and r["accepted"] + r["rejected"] == 3 and r["accepted"] >= 2
+        assert os.path.isfile(tmp_path / "seed0" / method / "best.yaml")
+    # Each workflow is computed once for all three methods (the per-problem cache): IO on all 6 problems,
+    # the Format child on val (2) and test (4), and at most one deeper child (all proposers are the same).
+    deeper = any(row[m]["accepted"] == 3 for m in ("aflow", "mcts", "trained"))
+    assert evaluator.fresh == 6 + 2 + 4 + (2 if deeper else 0)
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_method_and_writes_json_yaml_png(tmp_path, capsys):
+    out, js = tmp_path / "bench", tmp_path / "res" / "search.json"
+    assert bench.main(["--smoke", "--out", str(out), "--json", str(js)]) == 0
+    result = json.loads(js.read_text())
+    assert set(result["summary"]) == {"io", "aflow", "mcts", "trained"}
+    (row,) = result["per_seed"].values()
+    assert row["split"] == {"val": 1, "test": 2}
+    for method in ("aflow", "mcts", "trained"):
+        r = row[method]
+        assert len(r["curve"]) == 2 and r["curve"][0] is not None
+        assert r["curve"][1] is None or r["curve"][1] >= r["curve"][0]
+        assert 0.0 <= r["test"] <= 1.0 and r["accepted"] + r["rejected"] + r["errors"] == 2
+        assert Workflow.from_yaml(open(r["workflow"]).read()).nodes
+    assert os.path.getsize(str(js).replace(".json", ".png")) > 1000
+    assert "test mean" in capsys.readouterr().out
+    assert result["problem_results_computed"] >= 3  # IO on all three problems at least
+
+
+def test_bad_arguments_fail_with_one_line():
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--checkpoint", "/nonexistent/hf"])
