@@ -313,3 +313,18 @@ def from_trajectories(cfg: "AlgoConfig", trajectories: "Sequence[Trajectory]", r
                     gamma=cfg.gamma, omega=cfg.omega, mode=cfg.gigpo_mode)
         return np.split(adv, np.cumsum(lengths)[:-1])
     raise ValueError(f"algo.adv_estimator must be 'grpo' or 'gigpo', got {cfg.adv_estimator!r}")
+
+
+def step_group_fraction(trajectories: Sequence["Trajectory"]) -> float:
+    """Share of the turns that fall in GiGPO step groups of two or more: the turns of one episode
+    group (``group_id``) with the same ``anchor_key`` (turns without a key are groups of their own).
+    What GiGPO adds over GRPO comes only from these turns; 0.0 for no turns."""
+    keys = [(t.group_id, turn.anchor_key) for t in trajectories for turn in t.turns]
+    if not keys:
+        return 0.0
+    counts: dict = {}
+    for k in keys:
+        if k[1] is not None:
+            counts[k] = counts.get(k, 0) + 1
+    return sum(1 for k in keys if k[1] is not None and counts[k] >= 2) / len(keys)
+

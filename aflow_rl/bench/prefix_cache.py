@@ -39,7 +39,7 @@ def _state(url: str) -> dict:
 
 async def _episodes(cfg, url: str, episodes: list[dict], concurrency: int) -> None:
     from aflow_rl.rollout.types import WorkerContext
-    from workers.swarm_worker import init_worker, run_episode
+    from workers.swarm import init_worker, run_episode
 
     ctx = WorkerContext(config=cfg, urls={"policy": [url]})
     init_worker(ctx)
@@ -114,7 +114,7 @@ def run(rounds: int = 4, seed: int = 0, threads: Optional[int] = 1, prefill_chun
     from aflow_rl.config import load_config
     from aflow_rl.models.tiny import build
     from aflow_rl.rollout.pool import make_episodes
-    from workers.swarm_worker import make_tasks
+    from workers.swarm import make_tasks
 
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
         model = build(os.path.join(tmp, "tiny"), preset="tiny", seed=0)

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from aflow_rl.algos.advantages import from_trajectories, valid_group_mask
+from aflow_rl.algos.advantages import from_trajectories, step_group_fraction, valid_group_mask
 from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
 from aflow_rl.logprobs import policy_logprobs
 from aflow_rl.rollout.types import Trajectory, Turn
@@ -304,9 +304,10 @@ def build_batch(trajs: Sequence[Trajectory], step: int, cfg: Any, grammar: Any =
     if grammar is None and any(t.grammar for t in turns):
         raise ValueError("build_batch: turns carry a grammar but no GrammarBackend was given to rebuild "
                          "their masks; pass GrammarBackend.from_pretrained(policy model path)")
+    stats = reward_stats(trajs, shaped, keep, parl_lambdas(step, cfg.algo.parl))
+    stats["gigpo/step_group_fraction"] = step_group_fraction(kept)   # the turns GiGPO's step groups reach
     return Batch(turns=turns, advantages=np.concatenate(advs) if advs else np.zeros(0),
-                 grammar_masks=turn_grammar_masks(turns, grammar), terminal_rewards=terminal,
-                 stats=reward_stats(trajs, shaped, keep, parl_lambdas(step, cfg.algo.parl)))
+                 grammar_masks=turn_grammar_masks(turns, grammar), terminal_rewards=terminal, stats=stats)
 
 
 def reward_stats(trajs: Sequence[Trajectory], shaped: np.ndarray, keep: np.ndarray,

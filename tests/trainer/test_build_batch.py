@@ -84,6 +84,20 @@ def test_gigpo_keeps_step_rewards_on_their_turns_and_adds_the_terminal_to_the_la
     batch = build_batch(trajs, 0, config(adv_estimator="gigpo", gamma=0.5, omega=1.0, gigpo_mode="mean_norm"))
     np.testing.assert_allclose(batch.terminal_rewards, [1.5, 3.0], atol=1e-12)
     np.testing.assert_allclose(batch.advantages, [-2.375, -1.0, 2.375], atol=1e-12)
+    # step groups: s0 holds 2 of the 3 turns, s1 is alone
+    assert batch.stats["gigpo/step_group_fraction"] == pytest.approx(2 / 3)
+
+
+def test_step_group_fraction_counts_turns_sharing_an_anchor_within_their_group():
+    from aflow_rl.algos.advantages import step_group_fraction
+
+    trajs = [traj("e1", "g", [0, 0, 0], {}, anchors=["a", "b", None]),
+             traj("e2", "g", [0, 0], {}, anchors=["a", "c"]),
+             traj("e3", "h", [0], {}, anchors=["b"])]       # same key, another group: not b's group
+    assert step_group_fraction(trajs) == pytest.approx(2 / 6)  # only the two "a" turns of group g
+    assert step_group_fraction([]) == 0.0
+    # GRPO batches report it too (no anchors in grpo_episodes: no step groups)
+    assert build_batch(grpo_episodes(), 5, config()).stats["gigpo/step_group_fraction"] == 0.0
 
 
 def test_a_step_with_no_valid_group_gives_an_empty_batch():

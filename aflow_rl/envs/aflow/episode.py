@@ -50,6 +50,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from aflow_rl.algos.advantages import step_group_fraction
 from aflow_rl.envs.aflow.experience import SharedExperiencePool
 from aflow_rl.envs.aflow.graph import Workflow, workflow_hash, workflow_schema
 from aflow_rl.envs.aflow.mcts import SearchTree, TreeNode, TreeSelector
@@ -222,11 +223,7 @@ def anchor_group_fraction(trajectories: Sequence[Trajectory]) -> float:
     the parent's key, so this is 1.0 and says nothing; what matters with ``episode_rounds`` > 1
     is the share beyond the first round (``anchor_group_fraction`` of the later turns alone).
     """
-    keys = [(t.group_id, turn.anchor_key) for t in trajectories for turn in t.turns]
-    if not keys:
-        return 0.0
-    counts = Counter(k for k in keys if k[1] is not None)
-    return sum(1 for k in keys if k[1] is not None and counts[k] >= 2) / len(keys)
+    return step_group_fraction(trajectories)
 
 
 def later_round_group_fraction(trajectories: Sequence[Trajectory]) -> float:

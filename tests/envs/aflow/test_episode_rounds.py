@@ -25,7 +25,7 @@ def _score(wf: Workflow) -> float:
 def _run(tmp_path, tiny_model_dir, monkeypatch, texts_for, rounds=2, episodes=2):
     from transformers import AutoTokenizer
 
-    import workers.aflow_worker as worker
+    import workers.aflow as worker
     from aflow_rl.config import load_config
     from aflow_rl.envs.aflow import episode
     from aflow_rl.rollout.pool import make_episodes
