@@ -19,7 +19,6 @@ RUNTIME_TREES = ("aflow_rl", "workers", "train.py")
 TEST_TREES = ("tests",)
 # Imported, deliberately declared nowhere; each with the reason.
 UNDECLARED_OK = {
-    "ray": "aflow_rl/bench/rollout_pool.py adds a Ray row only when Ray happens to be installed (find_spec)",
     "aflow_rl_no_such_dependency": "tests/rollout/broken_worker.py: a worker whose import must fail",
     "sglang": "tests/serving/sglang_reference.py runs SGLang's frontend and auth code when sglang is installed "
               "(pip install --no-deps sglang pybase64 msgspec pyzmq); its declared dependencies are GPU-sized",

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from aflow_rl.trainer.engine import clean_dist_env
+from aflow_rl.trainer.learner import clean_dist_env
 from tests.leftovers import kill_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,7 +24,7 @@ __all__ = ["evaluate_task", "init_worker"]
 
 
 def _client(ctx: WorkerContext, role: str):
-    from aflow_rl.llm import make_client  # httpx and the providers load only where a server is used
+    from aflow_rl.llm import make_client  # the HTTP client and the providers load only where a server is used
 
     return make_client(getattr(ctx.config.llm, role), list(ctx.urls.get(role, [])), role=role)
 
