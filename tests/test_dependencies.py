@@ -21,7 +21,7 @@ TEST_TREES = ("tests",)
 UNDECLARED_OK = {
     "aflow_rl_no_such_dependency": "tests/rollout/broken_worker.py: a worker whose import must fail",
     "sglang": "tests/serving/sglang_reference.py runs SGLang's frontend and auth code when sglang is installed "
-              "(pip install --no-deps sglang pybase64 msgspec pyzmq); its declared dependencies are GPU-sized",
+              "(pip install --no-deps sglang pybase64 msgspec pyzmq ipython); its declared dependencies are GPU-sized",
 }
 # Calls that import the module named by their first (constant) argument.
 _IMPORT_CALLS = {"import_module", "importorskip", "__import__"}

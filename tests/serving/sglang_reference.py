@@ -5,7 +5,22 @@ so the test process never imports it).
     python tests/serving/sglang_reference.py auth           # decide_request_auth over a grid (stdin: cases)
 """
 import json
+import os
+import subprocess
 import sys
+
+INSTALL = "pip install --no-deps sglang==0.5.23 && pip install pybase64 msgspec pyzmq ipython"
+
+
+def import_problem() -> str | None:
+    """None when SGLang's frontend imports in a fresh interpreter; else its last error line (a test
+    skips with it: the tests run SGLang only where it can be imported, as the issue asks)."""
+    proc = subprocess.run([sys.executable, "-c", "import sglang, sglang.srt.utils.auth"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if proc.returncode == 0:
+        return None
+    lines = proc.stderr.strip().splitlines()
+    return f"sglang's frontend cannot be imported ({lines[-1] if lines else proc.returncode}): {INSTALL}"
 
 
 def frontend(url: str) -> dict:

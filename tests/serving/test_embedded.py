@@ -3,7 +3,6 @@
 Logprobs are checked against an independent transformers forward pass on the
 same weights (fp32): log_softmax(mask(logits) / T) of every sampled token.
 """
-import importlib.util
 import json
 import os
 import re
@@ -362,8 +361,11 @@ def test_ebnf_grammar(http):
 def test_sglang_frontend_programs(server):
     """SGLang's own frontend (sgl.gen with stop/regex/max_tokens/temperature/stop_regex, sgl.select,
     run_batch) against the server, in a subprocess: importing sglang patches transformers."""
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang's frontend is not installed: pip install --no-deps sglang pybase64 msgspec pyzmq")
+    from tests.serving.sglang_reference import import_problem
+
+    problem = import_problem()
+    if problem:
+        pytest.skip(problem)
     script = os.path.join(os.path.dirname(__file__), "sglang_reference.py")
     proc = subprocess.run([sys.executable, script, "frontend", server], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
