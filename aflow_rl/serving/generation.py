@@ -264,7 +264,7 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.stats = {"requests": 0, "generated_tokens": 0, "decode_steps": 0, "prefills": 0,
-                      "max_running": 0, "errors": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                      "max_running": 0, "errors": 0, "aborted": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "prefill_forwards": 0,
                       # CPU time of the engine thread (all of the model's work with --threads 1): a
                       # measure of cost that other processes' load on a shared machine does not inflate.
@@ -381,11 +381,13 @@ class Engine:
             if abort_all or seq.req.rid == rid:
                 self._waiting.remove(seq)
                 seq.finish = dict(reason)
+                self.stats["aborted"] += 1
                 self._deliver(seq)
         if self._batch is not None:
             for seq in self._batch.seqs:
                 if (abort_all or seq.req.rid == rid) and seq.finish is None:
                     seq.finish = dict(reason)
+                    self.stats["aborted"] += 1
             self._drop_finished()
 
     def _fail_all(self, message: str) -> None:

@@ -185,15 +185,26 @@ def test_chat_stream_with_the_openai_sdk(server):
 
 
 def test_a_closed_stream_aborts_its_request(http, server, tok):
+    # The server is shared by this module's tests: wait until nothing earlier still runs, so the count
+    # below is this request's alone.
+    idle_by = time.monotonic() + 120
+    while stats(http)["running"] and time.monotonic() < idle_by:
+        time.sleep(0.2)
+    assert stats(http)["running"] == 0, "an earlier test's request is still running"
+    aborted = stats(http)["aborted"]
     payload = {"input_ids": tok.encode("Go on and on."), "stream": True,
                "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
     with httpx.Client(base_url=server, timeout=60) as client:
         with client.stream("POST", "/generate", json=payload) as r:
             next(r.iter_lines())                               # the first update arrives, then we hang up
+    # Aborted at the next token it tries to send (0.2 s here), not finished: the engine counts it as
+    # aborted (all 1500 tokens take only ~2.4 s on a quiet machine, so "no longer running" alone
+    # would not tell an abort from a completion).
     deadline = time.monotonic() + 20
     while stats(http)["running"] and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.1)
     assert stats(http)["running"] == 0
+    assert stats(http)["aborted"] == aborted + 1
 
 
 def test_chat_bad_n_or_logprobs_is_a_400(http):
