@@ -440,30 +440,16 @@ async def _completion_prompts(srv: _Server, prompt: Any) -> list[list[int]]:
 # ---- the app: one function per route group ---------------------------------------------------------------
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every client mistake is a 400 with SGLang's error JSON."""
-    @app.exception_handler(RequestError)
-    async def _bad_request(request: Request, exc: RequestError):
+    """Every client mistake is a 400 with SGLang's error JSON (an oversized body a 413)."""
+    async def bad_request(request: Request, exc: Exception):
         return _error(400, str(exc))
 
-    @app.exception_handler(ContractError)
-    async def _bad_contract(request: Request, exc: ContractError):
-        return _error(400, str(exc))
-
-    @app.exception_handler(BadBody)
-    async def _bad_body(request: Request, exc: BadBody):
-        return _error(400, str(exc))
+    for kind in (RequestError, ContractError, BadBody, GrammarError, RequestValidationError):
+        app.add_exception_handler(kind, bad_request)
 
     @app.exception_handler(TooLarge)
     async def _too_large(request: Request, exc: TooLarge):
         return _error(413, str(exc), "PayloadTooLarge")
-
-    @app.exception_handler(GrammarError)
-    async def _bad_grammar(request: Request, exc: GrammarError):
-        return _error(400, str(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_validation(request: Request, exc: RequestValidationError):
-        return _error(400, str(exc))
 
 
 def _add_info_routes(app: FastAPI, srv: _Server, model_path: str) -> None:
