@@ -187,14 +187,6 @@ class RunCgroup:
                 return int(value)
         return 0
 
-    def pids_denied(self) -> bool:
-        """Did a fork or thread creation fail on pids.max?"""
-        for line in _read(os.path.join(self.pids, "pids.events")).splitlines():
-            key, _, value = line.partition(" ")
-            if key == "max":
-                return int(value) > 0
-        return False
-
     def close(self) -> bool:
         """Kill every process still in the run's cgroups, then remove them; False if one stayed."""
         kill = os.path.join(self.pids, "cgroup.kill")
