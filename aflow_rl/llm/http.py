@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
+from aflow_rl.llm import http1
 from aflow_rl.llm.base import LLMError
 
 Balance = Literal["least_in_flight", "round_robin"]
@@ -63,12 +64,22 @@ _KEEPALIVE_S = 4.0
 _ORJSON_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
+def _as_json(obj: Any) -> Any:
+    """orjson's hook for types it does not know: torch scalars and tensors (token ids) become
+    ints and lists, so callers may pass them without converting each id first."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "__index__"):
+        return obj.__index__()
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
 def dumps(obj: Any) -> bytes:
     """JSON-encode a request body (the json module for what orjson refuses, e.g. huge ints)."""
     try:
-        return orjson.dumps(obj, option=_ORJSON_OPTS)
+        return orjson.dumps(obj, default=_as_json, option=_ORJSON_OPTS)
     except TypeError:
-        return jsonlib.dumps(obj).encode()
+        return jsonlib.dumps(obj, default=_as_json).encode()
 
 
 def loads(data: bytes) -> Any:
@@ -130,15 +141,18 @@ class _Endpoint:
     sent: int = 0            # requests sent, for tests and stats
     failures: int = 0
     down: bool = False       # out of rotation (a weight sync could not reach it): see mark_down
+    lean: bool = False       # plain http: served by http1.Pool instead of aiohttp (see _send)
 
 
 @dataclass(eq=False)
 class _LoopState:
-    """Per-event-loop objects: the aiohttp session and one semaphore per endpoint."""
+    """Per-event-loop objects: the aiohttp session, one semaphore per endpoint, and the
+    keep-alive pools of the plain-http endpoints."""
 
     loop: asyncio.AbstractEventLoop
     session: aiohttp.ClientSession
     sems: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+    pools: dict[str, http1.Pool] = field(default_factory=dict)
     closer: Any = None  # the async generator whose finalisation closes the session
 
 
@@ -155,6 +169,8 @@ async def _close_at_shutdown(state: _LoopState) -> AsyncIterator[None]:
     finally:
         with _LIVE_LOCK:
             _LIVE.discard(state)
+        for pool in state.pools.values():
+            pool.close()
         await state.session.close()
 
 
@@ -183,6 +199,8 @@ def _drop(state: _LoopState) -> None:
     """Close a state whose loop no longer runs (or is gone), synchronously and quietly."""
     with _LIVE_LOCK:
         _LIVE.discard(state)
+    for pool in state.pools.values():
+        pool.drop()
     if state.closer is not None:
         # Finish the generator here: were it garbage-collected unfinished, its finaliser
         # would try to schedule aclose() on a closed loop. session.close() does not
@@ -224,6 +242,8 @@ class HTTPTransport:
         if balance not in ("least_in_flight", "round_robin"):
             raise ValueError(f"balance must be least_in_flight or round_robin, got {balance!r}")
         self.endpoints = [_Endpoint(normalize_url(u)) for u in urls]
+        for e in self.endpoints:
+            e.lean = http1.supports(e.url)
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
@@ -265,8 +285,10 @@ class HTTPTransport:
                                             connector=connector, trust_env=False,
                                             cookie_jar=aiohttp.DummyCookieJar(),
                                             timeout=aiohttp.ClientTimeout(total=None), raise_for_status=False)
+            headers = _with_json_type(self.headers)
             state = _LoopState(loop, session, {e.url: asyncio.Semaphore(self.max_concurrency)
-                                               for e in self.endpoints})
+                                               for e in self.endpoints},
+                               {e.url: http1.Pool(e.url, headers, _KEEPALIVE_S) for e in self.endpoints if e.lean})
             _register(state)
             self._local.state = state
         return state
@@ -280,6 +302,8 @@ class HTTPTransport:
         if state.loop is asyncio.get_running_loop():
             with _LIVE_LOCK:
                 _LIVE.discard(state)
+            for pool in state.pools.values():
+                pool.close()
             await state.session.close()
         else:
             _drop(state)
@@ -287,6 +311,8 @@ class HTTPTransport:
     # -- endpoint choice ------------------------------------------------------
 
     def _pick(self, avoid: str | None) -> _Endpoint:
+        if len(self.endpoints) == 1:
+            return self.endpoints[0]
         pool = [e for e in self.endpoints if not e.down] or self.endpoints
         candidates = [e for e in pool if e.url != avoid] or pool
         start = next(self._rr)
@@ -311,6 +337,10 @@ class HTTPTransport:
         """One exchange, body read included, bounded by ``remaining`` seconds."""
         # asyncio.timeout bounds the whole exchange with one timer (aiohttp's own
         # ClientTimeout rounds deadlines over 5 s up to the next whole second).
+        if ep.lean:
+            async with asyncio.timeout(remaining):
+                status, headers, content = await state.pools[ep.url].request(method, path, body)
+            return HTTPResponse(method, ep.url + path, ep.url, status, headers, content)
         async with asyncio.timeout(remaining):
             async with state.session.request(method, ep.url + path, data=body) as resp:
                 content = await resp.read()
