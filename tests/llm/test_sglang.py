@@ -142,3 +142,16 @@ def test_chat_goes_to_v1_chat_completions(fake_server):
     assert srv.calls[0]["path"] == "/v1/chat/completions"
     assert srv.calls[0]["body"]["max_tokens"] == 2 and srv.calls[0]["body"]["logprobs"] is True
     assert c.text == "hello" and c.finish_reason == "length" and c.logprobs == pytest.approx([-0.1, -0.2])
+
+
+def test_numpy_and_torch_input_ids_arrive_as_plain_ints(fake_server):
+    """build_payload copies ids as they are; the encoder turns numpy and torch ids into JSON ints."""
+    import numpy as np
+    import torch
+
+    srv = fake_server(lambda *a: (200, generate_reply()))
+    client = SGLangClient([srv.url])
+    for ids in (np.array([4, 5, 6]), torch.tensor([4, 5, 6]), list(torch.tensor([4, 5, 6])),
+                [np.int64(4), np.int32(5), 6]):
+        run(client.generate(input_ids=ids, max_new_tokens=2))
+    assert [c["body"]["input_ids"] for c in srv.calls] == [[4, 5, 6]] * 4
