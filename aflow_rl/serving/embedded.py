@@ -403,20 +403,6 @@ def _finish_type(res: GenerateResult) -> str:
 
 # ---- OpenAI reply pieces -------------------------------------------------------------------------------
 
-def _completion_logprobs(srv: _Server, res: GenerateResult, params: SamplingParams, top_n: int) -> dict:
-    """Legacy OpenAI completions ``logprobs``: tokens, their logprobs, top alternatives, text offsets."""
-    n = srv.content_len(res, params)
-    tokens = [srv.token_str(t) for t in res.output_ids[:n]]
-    offsets, pos = [], 0
-    for s in tokens:
-        offsets.append(pos)
-        pos += len(s)
-    return {"tokens": tokens, "token_logprobs": res.output_logprobs[:n],
-            "top_logprobs": [{srv.token_str(t): lp for lp, t in e} for e in
-                             (res.output_top_logprobs or [[]] * n)[:n]] if top_n else None,
-            "text_offset": offsets}
-
-
 async def _completion_prompts(srv: _Server, prompt: Any) -> list[list[int]]:
     """OpenAI ``prompt`` (a string, strings, token ids or lists of them) -> token id lists."""
     vocab = srv.engine.vocab_size
@@ -584,29 +570,39 @@ def _add_openai_routes(app: FastAPI, srv: _Server) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _json_body(request)
-        if body.get("echo"):
-            _fail("echo=true is not supported by the embedded server")
-        if body.get("suffix"):
-            _fail("suffix is not supported by the embedded server")
-        prompts = await _completion_prompts(srv, body.get("prompt"))
-        top_n = body.get("logprobs")
-        top_n = None if top_n is None else _int(top_n, "logprobs", 0, MAX_TOP_LOGPROBS)
-        reqs, all_params = [], []
-        for ids in prompts:
-            params, spec = srv.openai_params(body, len(ids), 16)   # OpenAI's default max_tokens
-            all_params.append(params)
-            srv.check_top_logprobs(sum((top_n or 0) * p.max_new_tokens for p in all_params))
-            reqs.append(GenerateRequest(input_ids=ids, params=params, rid=f"cmpl-{uuid.uuid4().hex}",
-                                        return_logprob=top_n is not None, top_logprobs_num=top_n or 0,
-                                        grammar=await srv.compile(spec)))
+        fans_out = streaming.fans_out(body, "completions")   # n > 1 or stream: true
+        rest = {k: v for k, v in body.items() if k not in streaming.FANOUT_KEYS} if fans_out else body
+        reqs, all_params, top_n = await _completion_requests(srv, rest)
+        if fans_out:
+            return await streaming.completions(srv, request, body, reqs, all_params, top_n)
         results = await srv.run(request, reqs)
-        choices = [{"index": i, "text": res.text,
-                    "logprobs": None if top_n is None else _completion_logprobs(srv, res, params, top_n),
-                    "finish_reason": _finish_type(res), "matched_stop": res.finish_reason.get("matched")}
+        choices = [streaming.completion_choice(srv, res, params, top_n, i)
                    for i, (res, params) in enumerate(zip(results, all_params))]
         return {"id": results[0].rid, "object": "text_completion", "created": int(time.time()),
                 "model": srv.served_model_name, "choices": choices, "usage": srv.usage(results),
                 "metadata": {"weight_version": results[0].weight_version}}
+
+
+async def _completion_requests(srv: _Server, body: dict) -> tuple[list[GenerateRequest], list[SamplingParams],
+                                                                  Optional[int]]:
+    """One engine request per prompt of a ``/v1/completions`` body, their sampling params, and
+    ``logprobs`` (the number of top alternatives; None when not asked)."""
+    if body.get("echo"):
+        _fail("echo=true is not supported by the embedded server")
+    if body.get("suffix"):
+        _fail("suffix is not supported by the embedded server")
+    prompts = await _completion_prompts(srv, body.get("prompt"))
+    top_n = body.get("logprobs")
+    top_n = None if top_n is None else _int(top_n, "logprobs", 0, MAX_TOP_LOGPROBS)
+    reqs, all_params = [], []
+    for ids in prompts:
+        params, spec = srv.openai_params(body, len(ids), 16)   # OpenAI's default max_tokens
+        all_params.append(params)
+        srv.check_top_logprobs(sum((top_n or 0) * p.max_new_tokens for p in all_params))
+        reqs.append(GenerateRequest(input_ids=ids, params=params, rid=f"cmpl-{uuid.uuid4().hex}",
+                                    return_logprob=top_n is not None, top_logprobs_num=top_n or 0,
+                                    grammar=await srv.compile(spec)))
+    return reqs, all_params, top_n
 
 
 def create_app(model_path: str, *, served_model_name: Optional[str] = None, host: str = "127.0.0.1",

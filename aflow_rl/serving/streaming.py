@@ -13,6 +13,12 @@ Reply shapes follow SGLang 0.5 (``tokenizer_manager._handle_batch_request``):
 * ``/v1/chat/completions`` with ``n`` gives ``choices[0..n-1]``; with ``stream`` it sends
   OpenAI's ``chat.completion.chunk`` objects (a role delta, content deltas, a final delta with
   ``finish_reason``, a usage chunk if ``stream_options.include_usage``), then ``data: [DONE]``.
+* ``/v1/completions`` with ``n`` gives ``n`` choices per prompt, prompt-major, each prompt's
+  tokens counted once in ``usage`` (SGLang's ``UsageProcessor``); with ``stream`` it sends
+  ``text_completion`` chunks as SGLang's ``serving_completions`` does: each carries one
+  sequence's id, ``choices: [{index, text: the delta, logprobs of the new tokens, finish_reason,
+  matched_stop}]`` and ``usage: null``; a ``choices: []`` usage chunk if
+  ``stream_options.include_usage``; then ``data: [DONE]``.
 
 While a stop string may still complete, its possible beginning is held back, so the text a
 client has received is always a prefix of the final (stop-trimmed) text.
@@ -58,7 +64,7 @@ def fans_out(body: dict, route: str) -> bool:
     """Whether a request needs this module: ``stream`` true or ``n`` other than 1."""
     if body.get("stream"):
         return True
-    if route == "chat":
+    if route in ("chat", "completions"):
         return body.get("n") not in (None, 1)
     sp = body.get("sampling_params")
     sps = sp if isinstance(sp, list) else [sp]
@@ -331,6 +337,113 @@ async def _chat_events(srv, fan: Fanout, params: SamplingParams, want_lp: bool, 
                               "matched_stop": None if running else res.finish_reason.get("matched")}])
         if include_usage:
             yield chunk([], _chat_usage(list(fan.results)))
+        yield SSE_DONE
+    finally:
+        await _close(fan, events)
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------
+
+FANOUT_KEYS = ("n", "stream", "stream_options")
+
+
+def completion_logprobs(srv, res: GenerateResult, params: SamplingParams, top_n: int, start: int = 0,
+                        end: Optional[int] = None, offset: int = 0) -> dict:
+    """Legacy OpenAI completions ``logprobs`` for output tokens ``[start, end)`` (default: the content):
+    tokens, their logprobs, top alternatives, and text offsets counted from ``offset``."""
+    end = srv.content_len(res, params) if end is None else end
+    tokens = [srv.token_str(t) for t in res.output_ids[start:end]]
+    offsets, pos = [], offset
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    tops = (res.output_top_logprobs or [[]] * end)[start:end]
+    return {"tokens": tokens, "token_logprobs": res.output_logprobs[start:end],
+            "top_logprobs": [{srv.token_str(t): lp for lp, t in e} for e in tops] if top_n else None,
+            "text_offset": offsets}
+
+
+def completion_choice(srv, res: GenerateResult, params: SamplingParams, top_n: Optional[int], index: int) -> dict:
+    """One ``choices[]`` entry of a non-streaming text completion."""
+    return {"index": index, "text": res.text,
+            "logprobs": None if top_n is None else completion_logprobs(srv, res, params, top_n),
+            "finish_reason": res.finish_reason["type"], "matched_stop": res.finish_reason.get("matched")}
+
+
+def _completion_usage(results: list, n: int) -> dict:
+    # SGLang (UsageProcessor) counts each prompt once for its n choices: copies are prompt-major.
+    p = sum(len(results[i].prompt_ids) for i in range(0, len(results), n))
+    c = sum(len(r.output_ids) for r in results)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        _fail("stream_options must be an object")
+    return stream and bool(opts.get("include_usage", False))
+
+
+async def completions(srv, request: Request, body: dict, reqs: list[GenerateRequest],
+                      params: list[SamplingParams], top_n: Optional[int]):
+    """``/v1/completions`` with ``n > 1`` and/or ``stream: true``; ``reqs`` are built from the body
+    without its fan-out keys, one per prompt. Copies are prompt-major, as in SGLang."""
+    stream = _stream_flag(body.get("stream"))
+    n = _n(body.get("n"), "n")
+    include_usage = _include_usage(body, stream)
+    srv.check_top_logprobs(n * sum((top_n or 0) * p.max_new_tokens for p in params))
+    copies = [replace(r, rid=f"cmpl-{uuid.uuid4().hex}") for r in reqs for _ in range(n)] if n > 1 else reqs
+    copy_params = [p for p in params for _ in range(n)]
+    fan = Fanout(srv.engine, copies, stream)
+    if not stream:
+        results = await fan.wait(request)
+        return {"id": results[0].rid, "object": "text_completion", "created": int(time.time()),
+                "model": srv.served_model_name,
+                "choices": [completion_choice(srv, res, p, top_n, i)
+                            for i, (res, p) in enumerate(zip(results, copy_params))],
+                "usage": _completion_usage(results, n), "metadata": {"weight_version": results[0].weight_version}}
+    return StreamingResponse(_completion_events(srv, fan, copy_params, top_n, n, include_usage),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _completion_events(srv, fan: Fanout, params: list[SamplingParams], top_n: Optional[int], n: int,
+                             include_usage: bool):
+    """SGLang's completion stream: one ``text_completion`` chunk per update of a sequence (its id,
+    the text delta, the new tokens' logprobs), a usage chunk if asked, then ``data: [DONE]``."""
+    created, k = int(time.time()), len(fan.reqs)
+    sent_text, sent_tokens, sent_offset = [""] * k, [0] * k, [0] * k
+    last_id = fan.reqs[0].rid
+    events = fan.updates()
+    try:
+        async for batch in events:
+            for i, ids, lps, res in batch:
+                p = params[i]
+                if res is None:
+                    res = _partial(fan.reqs[i], ids, lps, stream_text(srv.engine, ids, p))
+                    end = len(ids)
+                else:
+                    end = srv.content_len(res, p)
+                # Held-back text makes what was sent a prefix of every later text.
+                delta = res.text[len(sent_text[i]):] if res.text.startswith(sent_text[i]) else ""
+                sent_text[i] += delta
+                logprobs = None
+                if top_n is not None and end > sent_tokens[i]:
+                    logprobs = completion_logprobs(srv, res, p, top_n, sent_tokens[i], end, sent_offset[i])
+                    sent_tokens[i] = end
+                    sent_offset[i] += sum(len(t) for t in logprobs["tokens"])
+                running = res.finish_reason["type"] == "running"
+                if running and not delta and logprobs is None:
+                    continue
+                last_id = fan.reqs[i].rid
+                choice = {"index": i, "text": delta, "logprobs": logprobs,
+                          "finish_reason": None if running else res.finish_reason["type"],
+                          "matched_stop": None if running else res.finish_reason.get("matched")}
+                yield sse({"id": last_id, "object": "text_completion", "created": created,
+                           "model": srv.served_model_name, "choices": [choice], "usage": None})
+        if include_usage:
+            yield sse({"id": last_id, "object": "text_completion", "created": created,
+                       "model": srv.served_model_name, "choices": [],
+                       "usage": _completion_usage(list(fan.results), n)})
         yield SSE_DONE
     finally:
         await _close(fan, events)

@@ -234,3 +234,76 @@ def test_a_server_without_the_cache_answers_the_same(http, tok, tiny_model_dir, 
         assert reply["output_ids"] == cached["output_ids"]
         for key in ("output_token_logprobs", "input_token_logprobs"):
             assert reply["meta_info"][key] == cached["meta_info"][key]
+
+
+# ---- /v1/completions: n and stream ---------------------------------------------------------------------
+
+def test_completions_n_gives_prompt_major_choices_counting_each_prompt_once(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", timeout=60)
+    prompts = [LONG, "Join the results of every subagent. " * 4]
+    kw = dict(model="m", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    resp = client.completions.create(prompt=prompts, n=3, **kw)
+    plain = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert [c.index for c in resp.choices] == list(range(6))
+    assert [c.text for c in resp.choices] == [plain[k // 3].choices[0].text for k in range(6)]   # greedy copies
+    assert resp.usage.prompt_tokens == sum(p.usage.prompt_tokens for p in plain)                # once per prompt
+    assert resp.usage.completion_tokens == 6 * 10
+    assert all(c.finish_reason == "length" for c in resp.choices)
+
+
+def test_completions_stream_has_sglangs_chunk_shape_and_adds_up_to_the_plain_reply(http, tok):
+    # Two greedy copies decode in a batch of two with or without streaming: equal to the bit.
+    base = {"model": "m", "prompt": LONG, "max_tokens": 16, "temperature": 0, "n": 2, "logprobs": 1,
+            "ignore_eos": True}
+    plain = http.post("/v1/completions", json=base).json()
+    events = sse_events(http, "/v1/completions", {**base, "stream": True, "stream_options": {"include_usage": True}})
+    *chunks, usage_chunk = events
+    assert len(chunks) > 2                                     # token updates, not one final blob
+    text, tokens, lps, offsets, finish = ["", ""], [[], []], [[], []], [[], []], [None, None]
+    for ch in chunks:
+        assert set(ch) == {"id", "object", "created", "model", "choices", "usage"} and ch["usage"] is None
+        assert ch["object"] == "text_completion" and len(ch["choices"]) == 1
+        c = ch["choices"][0]
+        assert set(c) == {"index", "text", "logprobs", "finish_reason", "matched_stop"}
+        i = c["index"]
+        text[i] += c["text"]
+        if c["logprobs"] is not None:
+            tokens[i] += c["logprobs"]["tokens"]
+            lps[i] += c["logprobs"]["token_logprobs"]
+            offsets[i] += c["logprobs"]["text_offset"]
+            assert len(c["logprobs"]["top_logprobs"]) == len(c["logprobs"]["tokens"])
+        assert finish[i] is None                               # nothing follows a sequence's final chunk
+        finish[i] = c["finish_reason"]
+    ids = {i: {ch["id"] for ch in chunks if ch["choices"][0]["index"] == i} for i in (0, 1)}
+    assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1]   # each sequence keeps its own id (SGLang)
+    for i, choice in enumerate(plain["choices"]):
+        assert text[i] == choice["text"] and finish[i] == choice["finish_reason"] == "length"
+        assert tokens[i] == choice["logprobs"]["tokens"] and lps[i] == choice["logprobs"]["token_logprobs"]
+        assert offsets[i] == choice["logprobs"]["text_offset"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == plain["usage"]
+    assert plain["usage"]["prompt_tokens"] == len(tok.encode(LONG))   # the shared prompt counts once
+
+
+def test_completions_stream_with_a_stop_string_with_the_openai_sdk(server, http):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", timeout=60)
+    plain = http.post("/v1/completions", json={"prompt": LONG, "max_tokens": 30, "temperature": 0,
+                                               "ignore_eos": True}).json()["choices"][0]["text"]
+    stop = plain[6:9]
+    assert len(stop) == 3
+    stream = client.completions.create(model="m", prompt=LONG, max_tokens=30, temperature=0, stop=stop, stream=True,
+                                       extra_body={"ignore_eos": True})
+    text, finish = "", None
+    for chunk in stream:
+        assert chunk.object == "text_completion"
+        text += chunk.choices[0].text
+        assert plain.startswith(text)                          # a stop string's start is held back
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "stop" and stop not in text and plain.startswith(text)
+
+
+@pytest.mark.parametrize("extra, needle", [({"n": 0}, "n must be"), ({"stream": "yes"}, "stream must be true or false"),
+                                           ({"stream": True, "stream_options": 3}, "stream_options must be an object"),
+                                           ({"n": 2, "echo": True}, "echo")])
+def test_completions_bad_n_or_stream_is_a_400(http, extra, needle):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **extra})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
