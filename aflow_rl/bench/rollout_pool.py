@@ -15,6 +15,9 @@ Clients (``--clients``), measured in the same pool, interleaved A B A B:
 
 - ``shipped``: ``SGLangClient.generate`` -> ``HTTPTransport``, exactly what
   training runs (payload building, balancing, deadlines, reply parsing);
+- ``shipped_aiohttp``: the same client with its plain-http endpoint sent through
+  aiohttp instead of the lean HTTP/1.1 client (llm/http1.py): the transport before
+  that change, kept to measure it against the shipped one in the same run;
 - ``raw``: a bare keep-alive asyncio-streams client, the reference row: what
   the pool and this machine reach with almost no client work;
 - ``aiohttp``, ``httpx``, ``httpx2``: the bare libraries, to choose the
@@ -42,7 +45,7 @@ from typing import Any
 from aflow_rl.bench import machine as bench_machine
 from aflow_rl.rollout.types import Trajectory, WorkerContext
 
-CLIENTS = ("shipped", "raw", "aiohttp", "httpx", "httpx2")
+CLIENTS = ("shipped", "shipped_aiohttp", "raw", "aiohttp", "httpx", "httpx2")
 
 # -- the workload: one quickstart turn ------------------------------------------------------------------
 
@@ -208,11 +211,14 @@ class RawClient:
 
 def make_client(kind: str, url: str) -> Any:
     """One client of ``kind`` for this event loop; none has a connection limit of its own."""
-    if kind == "shipped":
+    if kind in ("shipped", "shipped_aiohttp"):
         from aflow_rl.llm.sglang import SGLangClient
 
         # max_concurrency: the pool, not the client, sets how many requests are in flight.
-        return SGLangClient([url], timeout_s=60.0, max_concurrency=4096)
+        client = SGLangClient([url], timeout_s=60.0, max_concurrency=4096)
+        if kind == "shipped_aiohttp":
+            client.http.endpoints[0].lean = False   # the aiohttp path, for the A/B comparison
+        return client
     if kind == "raw":
         return RawClient(url)
     if kind == "aiohttp":
@@ -247,7 +253,7 @@ async def _close_at_shutdown(session: Any) -> None:
 
 async def one_request(client: Any, kind: str, ids: list[int]) -> int:
     """Send one /generate; return the number of output ids (every client decodes the reply)."""
-    if kind == "shipped":
+    if kind in ("shipped", "shipped_aiohttp"):
         comp = await client.generate(input_ids=ids, return_logprob=True, **generate_sampling())
         return len(comp.output_ids)
     body = {"input_ids": ids, "return_logprob": True, "sampling_params": generate_sampling()}
