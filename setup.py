@@ -24,6 +24,7 @@ setup(
         "httpx>=0.27",
         "aiohttp>=3.9",  # aflow_rl/llm/http.py: the clients' transport (chosen by measurement, docs/benchmarks.md)
         "orjson>=3.8",  # aflow_rl/llm/http.py: request and reply bodies (6-8x the json module)
+        "multidict>=6.0",  # aflow_rl/llm/http1.py: case-insensitive reply headers (aiohttp's own type)
         "fastapi>=0.110",
         "uvicorn[standard]>=0.29",   # httptools + uvloop: faster HTTP at hundreds in flight (docs/benchmarks.md)
         "xgrammar>=0.1.10",
