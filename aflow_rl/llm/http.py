@@ -18,6 +18,11 @@ scan, which grows with the number of connections; aiohttp's connector does
 not. Its connector has no connection limit of its own (``limit=0``): the
 per-endpoint semaphores below are the only cap, so there is one knob.
 
+Plain ``http://`` endpoints (the policy servers: embedded, SGLang, a router) go through
+``http1.Pool`` instead, a lean HTTP/1.1 keep-alive client that costs about half of aiohttp's
+CPU per request (docs/benchmarks.md); https and URLs with credentials stay on aiohttp. Both
+sit under the same deadline, retry and balancing logic here.
+
 aiohttp sessions and semaphores belong to one event loop. Worker processes may
 run several ``asyncio.run`` calls over their life, and the threading pool
 backend runs one loop per thread, so the loop-bound state is kept per thread,
