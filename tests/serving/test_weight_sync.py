@@ -172,3 +172,21 @@ def test_in_flight_sync_refuses_an_unknown_pause_mode():
         assert s.paths() == []
     finally:
         s.close()
+
+
+def test_in_flight_sync_skips_an_unreachable_server_as_a_plain_sync_does():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    live = server()
+    client = SGLangClient([live.url, dead], timeout_s=5.0, max_retries=0)
+    try:
+        asyncio.run(sync_weights(client, "/weights/step_3", 3, probe_ids=PROBE, expected_logprobs=np.asarray(GOOD_LP),
+                                 tol=1e-3, timeout_s=5.0, inflight=True))
+        assert client.urls == [live.url] and live.paths() == PAUSED_FLOW + ["/generate"]
+    finally:
+        asyncio.run(client.aclose())
+        live.close()
