@@ -4,8 +4,8 @@ The episode test is the acceptance case of issue 13: a multi-turn episode whose 
 running when ``sync_weights(inflight=True)`` swaps model a (version 1) for model b (version 2).
 The sync returns while that turn still runs; the turns record versions 1, 2, 2; and every
 logprob matches a transformers forward with the weights that token was sampled with (turn 1:
-model a; turn 3: model b; turn 2: model a up to the swap, then model b over the KV model a
-computed, which is what SGLang's ``in_place`` pause keeps).
+model a; turn 3: model b, both as the trainer recomputes them; turn 2: model a up to the swap, then
+model b over the KV model a computed, which is what SGLang's ``in_place`` pause keeps).
 """
 import asyncio
 import os
@@ -14,7 +14,6 @@ import threading
 import time
 
 import httpx
-import numpy as np
 import pytest
 import torch
 
@@ -23,8 +22,9 @@ from aflow_rl.llm.sglang import SGLangClient
 from aflow_rl.rollout.turns import chat_prompt_ids, generate_turn, parse_weight_version
 from aflow_rl.rollout.types import Turn
 from aflow_rl.serving.weight_sync import WeightSyncError, sync_weights
+from aflow_rl.trainer.batch import collate, sequence_logprobs
 from tests.serving.test_embedded import prompt_logprobs, stats
-from tests.serving.test_inflight import TOL, full_forward, mixed_forward
+from tests.serving.test_inflight import TOL, mixed_forward
 
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
@@ -173,19 +173,23 @@ def test_episode_straddling_an_in_flight_update(server, tok, models, tiny_model_
     assert timing["probe_mismatch"] < 1e-3
     a, b = models
 
-    def check(turn, model):
-        prompt, out = turn.prompt_ids.tolist(), turn.response_ids.tolist()
-        ref = full_forward(model, prompt, out)
-        assert np.abs(turn.logprobs - ref.numpy()).max() < TOL
+    def trainer_logprobs(turn, model):
+        """What the trainer recomputes for ``turn`` with ``model``'s weights (trainer/batch.py)."""
+        with torch.no_grad():
+            logp, _ = sequence_logprobs(model, collate([turn], [0.0]), temperature=1.0)
+        return logp[0]
 
-    check(turns[0], a)       # entirely before the swap
-    check(turns[2], b)       # entirely after it
+    # Entirely before the swap (version 1, model a) and entirely after it (version 2, model b).
+    assert (torch.tensor(turns[0].logprobs) - trainer_logprobs(turns[0], a)).abs().max() < TOL
+    assert (torch.tensor(turns[2].logprobs) - trainer_logprobs(turns[2], b)).abs().max() < TOL
+    # Across it: model a's numbers up to the swap, then model b's layers over model a's KV.
     prompt, out = turns[1].prompt_ids.tolist(), turns[1].response_ids.tolist()
     lp = torch.tensor(turns[1].logprobs)
-    off_a = ((lp - full_forward(a, prompt, out)).abs() > TOL).nonzero()
+    off_a = ((lp - trainer_logprobs(turns[1], a)).abs() > TOL).nonzero()
     k = int(off_a[0]) if len(off_a) else len(out)    # the first token not sampled by model a
     assert 5 <= k < len(out) - 5, f"the swap came after {k} of {len(out)} tokens"
     assert (lp[k:] - mixed_forward(a, b, prompt, out, k)).abs().max() < TOL
+    assert (lp[k:] - trainer_logprobs(turns[1], b)[k:]).abs().max() > 1e-2   # the KV was kept, not redone
 
 
 def test_failed_in_flight_update_still_continues(http, server, tiny_model_dir, tmp_path):
