@@ -5,7 +5,8 @@ running when ``sync_weights(inflight=True)`` swaps model a (version 1) for model
 The sync returns while that turn still runs; the turns record versions 1, 2, 2; and every
 logprob matches a transformers forward with the weights that token was sampled with (turn 1:
 model a; turn 3: model b, both as the trainer recomputes them; turn 2: model a up to the swap, then
-model b over the KV model a computed, which is what SGLang's ``in_place`` pause keeps).
+model b over the KV model a computed, which is what SGLang's ``in_place`` pause keeps; with
+``retract``, model b over all of it).
 """
 import asyncio
 import os
@@ -148,12 +149,13 @@ async def long_turn(client, tok, messages, max_new_tokens):
                       policy_version=parse_weight_version(comp.weight_version), finish_reason=comp.finish_reason)
 
 
-async def straddling_episode(url, tok, dirs, models):
+async def straddling_episode(url, tok, dirs, models, mode):
     """Three turns; the weights change from version 1 (a) to 2 (b) while the second runs."""
     client = SGLangClient([url], timeout_s=120.0, max_retries=0)
     try:
         ids, expected = probe(models[0], tok)
-        await sync_weights(client, dirs[0], 1, probe_ids=ids, expected_logprobs=expected, tol=1e-3, inflight=True)
+        await sync_weights(client, dirs[0], 1, probe_ids=ids, expected_logprobs=expected, tol=1e-3, inflight=True,
+                           pause_mode=mode)
         messages = [{"role": "user", "content": "Split the task and spawn subagents."}]
         comp1, turn1 = await generate_turn(client, tok, messages, temperature=1.0, max_new_tokens=8)
         messages += [{"role": "assistant", "content": comp1.text}, {"role": "user", "content": "Join them."}]
@@ -163,7 +165,7 @@ async def straddling_episode(url, tok, dirs, models):
             await asyncio.sleep(0.01)
         ids, expected = probe(models[1], tok)
         timing = await sync_weights(client, dirs[1], 2, probe_ids=ids, expected_logprobs=expected, tol=1e-3,
-                                    inflight=True)
+                                    inflight=True, pause_mode=mode)
         running_after_sync = not second.done()
         comp2, turn2 = await second
         messages += [{"role": "assistant", "content": comp2.text}, {"role": "user", "content": "Answer."}]
@@ -173,9 +175,10 @@ async def straddling_episode(url, tok, dirs, models):
         await client.aclose()
 
 
-def test_episode_straddling_an_in_flight_update(server, tok, models, tiny_model_dir, tiny_model_dir_b):
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_episode_straddling_an_in_flight_update(server, tok, models, tiny_model_dir, tiny_model_dir_b, mode):
     turns, running_after_sync, timing = asyncio.run(
-        straddling_episode(server, tok, (tiny_model_dir, tiny_model_dir_b), models))
+        straddling_episode(server, tok, (tiny_model_dir, tiny_model_dir_b), models, mode))
     assert running_after_sync, "the sync waited for the running turn"
     assert [t.policy_version for t in turns] == [1, 2, 2]
     assert timing["probe_mismatch"] < 1e-3
@@ -190,14 +193,19 @@ def test_episode_straddling_an_in_flight_update(server, tok, models, tiny_model_
     # Entirely before the swap (version 1, model a) and entirely after it (version 2, model b).
     assert (torch.tensor(turns[0].logprobs) - trainer_logprobs(turns[0], a)).abs().max() < TOL
     assert (torch.tensor(turns[2].logprobs) - trainer_logprobs(turns[2], b)).abs().max() < TOL
-    # Across it: model a's numbers up to the swap, then model b's layers over model a's KV.
+    # Across it: model a's numbers up to the swap, then model b's layers over model a's KV
+    # (in_place) or over KV model b recomputed (retract).
     prompt, out = turns[1].prompt_ids.tolist(), turns[1].response_ids.tolist()
     lp = torch.tensor(turns[1].logprobs)
     off_a = ((lp - trainer_logprobs(turns[1], a)).abs() > TOL).nonzero()
     k = int(off_a[0]) if len(off_a) else len(out)    # the first token not sampled by model a
     assert 5 <= k < len(out) - 5, f"the swap came after {k} of {len(out)} tokens"
-    assert (lp[k:] - mixed_forward(a, b, prompt, out, k)).abs().max() < TOL
-    assert (lp[k:] - trainer_logprobs(turns[1], b)[k:]).abs().max() > 1e-2   # the KV was kept, not redone
+    all_b = trainer_logprobs(turns[1], b)[k:]
+    if mode == "in_place":
+        assert (lp[k:] - mixed_forward(a, b, prompt, out, k)).abs().max() < TOL
+        assert (lp[k:] - all_b).abs().max() > 1e-2   # the KV was kept, not redone
+    else:
+        assert (lp[k:] - all_b).abs().max() < TOL
 
 
 def test_failed_in_flight_update_still_continues(http, server, tiny_model_dir, tmp_path):
