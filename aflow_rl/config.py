@@ -252,6 +252,8 @@ class TrainerConfig:
     log_every: int = _f(1, "TensorBoard scalars every N steps.")
     sample_every: int = _f(10, "TensorBoard text samples of episodes every N steps.")
     sync_timeout_s: float = _f(120.0, "Seconds a weight sync may take before it is an error.")
+    sync_inflight: bool = _f(False, "Update the servers' weights without waiting for running requests: /pause_generation -> update -> /continue_generation (continue on every failure too); a turn running across the update finishes under the new weights and reports the new weight_version. false: the update waits until running requests finish.")
+    sync_pause_mode: Literal["in_place", "retract"] = _f("in_place", "With sync_inflight, SGLang's pause mode: in_place (running requests keep their KV) | retract (their KV is recomputed under the new weights); not abort, which would drop every running episode. Real SGLang 0.5.x cannot flush its radix cache with requests paused in place, so the update fails loudly there: use retract with real SGLang.")
     max_failed_step_retries: int = _f(2, "Rollouts of a step run again when every episode failed (a dead server, a broken worker); then the run stops with the episodes' error, without a checkpoint.")
     checkpoint_check: Literal["sha256", "size"] = _f("sha256", "How checkpoints are verified before resuming: sha256 (manifest hashes, reads every byte) | size (file sizes only, for very large checkpoints).")
 

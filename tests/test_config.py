@@ -112,3 +112,13 @@ def test_redaction_and_resolved_file(tmp_path):
     assert saved["llm"]["actor"]["base_url"] == "http://u:***@h:1"
     # The resolved file loads back as a config (minus the redacted secret).
     assert load_config(path).rollout.workers == cfg.rollout.workers
+
+
+def test_in_flight_sync_keys():
+    cfg = load_config(None, [])
+    assert cfg.trainer.sync_inflight is False and cfg.trainer.sync_pause_mode == "in_place"   # today's sync
+    cfg = load_config(None, ["trainer.sync_inflight=true", "trainer.sync_pause_mode=retract"])
+    assert cfg.trainer.sync_inflight is True and cfg.trainer.sync_pause_mode == "retract"
+    # abort would throw away every episode in flight at each sync: not a sync mode.
+    with pytest.raises(ConfigError, match=r"trainer.sync_pause_mode: expected one of 'in_place' \| 'retract'"):
+        load_config(None, ["trainer.sync_pause_mode=abort"])

@@ -214,6 +214,35 @@ class SGLangClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
+    # -- pause / continue (SGLang 0.5.x, for weight updates during generation) -----
+
+    PAUSE_MODES = ("abort", "retract", "in_place")   # SGLang's PauseGenerationReqInput.mode
+
+    async def pause_generation(self, mode: str = "abort", *, urls: list[str] | None = None,
+                               timeout_s: float | None = None) -> None:
+        """``POST /pause_generation {"mode": mode}`` on ``urls`` (default: every server in rotation).
+
+        ``mode`` is SGLang's: ``abort`` (finish every request with ``abort``), ``retract`` (drop
+        the running requests' KV, recomputed on continue) or ``in_place`` (they keep their KV and
+        continue under whatever weights are loaded meanwhile). Every server is tried; the first
+        failure is raised after all have answered.
+        """
+        if mode not in self.PAUSE_MODES:
+            raise ValueError(f"pause_generation: mode must be one of {', '.join(self.PAUSE_MODES)}, got {mode!r}")
+        await self._on_each("/pause_generation", {"mode": mode}, urls, timeout_s)
+
+    async def continue_generation(self, *, urls: list[str] | None = None, timeout_s: float | None = None) -> None:
+        """``POST /continue_generation`` on ``urls`` (default: every server in rotation), as above."""
+        await self._on_each("/continue_generation", {}, urls, timeout_s)
+
+    async def _on_each(self, path: str, payload: dict, urls: list[str] | None, timeout_s: float | None) -> None:
+        targets = list(urls if urls is not None else self.urls)
+        results = await asyncio.gather(*(self.http.request("POST", path, json=payload, url=u, timeout_s=timeout_s)
+                                         for u in targets), return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+
 
 def _json_or_text(resp: HTTPResponse) -> Any:
     try:

@@ -10,8 +10,9 @@ The process loads the model before it listens, so ``GET /health`` answers 200 on
 once it can serve (503 if the engine thread has died). Routes, with SGLang's JSON
 shapes: ``/generate`` (single or batched, ``text`` or ``input_ids``), ``/health``,
 ``/health_generate``, ``/get_model_info``, ``/get_server_info``,
-``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``, and the
-OpenAI-compatible ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``,
+``/pause_generation``, ``/continue_generation``, and the OpenAI-compatible
+``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
 Bad input gets HTTP 400 with ``{"error": {"message", "type", "code"}}`` (413 for a body
 over the limit). Request checks follow SGLang (serving/contract.py); limits and API keys
 are in serving/guard.py; docs/security.md says what the server exposes.
@@ -38,7 +39,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from aflow_rl.serving.generation import Engine, GenerateRequest, GenerateResult, RequestError, SamplingParams
+from aflow_rl.serving.generation import (PAUSE_MODES, Engine, GenerateRequest, GenerateResult, RequestError,
+                                         SamplingParams)
 from aflow_rl.serving.contract import (MAX_STOP_COUNT, ContractError, as_bool, as_float, as_int,
                                       check_generate_fields, check_sampling_keys, fail, stop_regexes, str_list,
                                       top_k)
@@ -491,8 +493,9 @@ def _add_info_routes(app: FastAPI, srv: _Server, model_path: str) -> None:
 
 
 def _add_admin_routes(app: FastAPI, srv: _Server) -> None:
-    """``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``."""
+    """``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``, and the pause routes."""
     engine = srv.engine
+    _add_pause_routes(app, srv)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -533,6 +536,46 @@ def _add_admin_routes(app: FastAPI, srv: _Server) -> None:
         ok, message = await fut
         return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0,
                              "weight_version": engine.weight_version}, status_code=200 if ok else 400)
+
+
+async def _optional_body(request: Request) -> dict:
+    """The JSON object of a request whose fields all have defaults; an empty body is ``{}``."""
+    if request.headers.get("content-length") == "0":
+        return {}
+    return await _json_body(request)
+
+
+def _add_pause_routes(app: FastAPI, srv: _Server) -> None:
+    """SGLang's ``/pause_generation`` and ``/continue_generation`` (same bodies, same replies).
+
+    ``{"mode": "abort" | "retract" | "in_place"}`` (SGLang's default ``abort``). The reply comes
+    once the engine thread has stopped between two decode steps, so an update sent after it is
+    applied without waiting for the running requests. ``/continue_generation`` takes SGLang's
+    ``torch_empty_cache`` (a CUDA allocator call, nothing to do on CPU).
+    """
+    engine = srv.engine
+
+    async def on_engine_thread(call, *args) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        call(*args, lambda: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None)))
+        await fut
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = await _optional_body(request)
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            _fail(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        await on_engine_thread(engine.pause, mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        body = await _optional_body(request)
+        _bool(body.get("torch_empty_cache", True), "torch_empty_cache")
+        await on_engine_thread(engine.resume)
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
 
 def _add_generate_route(app: FastAPI, srv: _Server) -> None:
@@ -670,7 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"require 'Authorization: Bearer KEY' on every route but /health* (as SGLang); "
                          f"default ${API_KEY_ENV}, which keeps the key out of the process list")
     ap.add_argument("--admin-api-key", default=os.environ.get(ADMIN_API_KEY_ENV),
-                    help=f"key for /update_weights_from_disk, /flush_cache, /abort_request (default "
+                    help=f"key for /update_weights_from_disk, /flush_cache, /abort_request, /pause_generation, "
+                         f"/continue_generation (default "
                          f"${ADMIN_API_KEY_ENV}; unset: --api-key guards them)")
     d = Limits()
     ap.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="largest request body (413 over)")

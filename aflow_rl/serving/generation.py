@@ -4,7 +4,7 @@ One dedicated thread owns the Hugging Face model. HTTP handlers call
 :meth:`Engine.submit` (thread-safe) and get a :class:`GenerateResult` through a
 callback. Between two decode steps the engine thread
 
-1. takes new requests, aborts and weight updates from its inbox,
+1. takes new requests, aborts, pause/continue and weight updates from its inbox,
 2. prefills the newly admitted requests together, chunk by chunk at fixed boundaries,
    reusing chunks the prefix cache holds (:mod:`aflow_rl.serving.prefix_cache`), and
    merges their KV cache (left-padded) into the running batch,
@@ -17,6 +17,13 @@ logprob is the log-softmax of the masked raw logits. ``top_p``/``top_k`` only
 filter the sampling distribution, never the reported logprobs. Prompt logprobs
 (``logprob_start_len``) are the log-softmax of the raw logits, as SGLang's default.
 :func:`aflow_rl.logprobs.policy_logprobs` is that formula; the trainer recomputes with it too.
+
+Weight updates, as SGLang 0.5.x: a plain update waits until the running batch drains (new
+requests wait meanwhile), so every response comes from one weight version. After
+:meth:`Engine.pause` the engine runs no forward at all, and an update is applied at once, between
+two decode steps: ``in_place`` keeps the running sequences and their KV (they continue under the
+new weights after :meth:`Engine.resume`), ``retract`` drops their KV and recomputes it under the
+new weights on resume, ``abort`` finishes them with ``abort``. Every update empties the prefix cache.
 """
 from __future__ import annotations
 
@@ -41,6 +48,10 @@ log = logging.getLogger("aflow_rl.serving.generation")
 # Config fields two checkpoints must share for a hot weight swap.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+# SGLang's PauseGenerationReqInput.mode values.
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class RequestError(ValueError):
@@ -261,6 +272,8 @@ class Engine:
         self._batch: Optional[_Batch] = None
         self._prefilling: list[_Seq] = []      # admitted, not yet in the batch (failure bookkeeping)
         self._updates: list[tuple] = []
+        self._paused: Optional[str] = None     # a PAUSE_MODES entry while paused
+        self._retracted: list[_Seq] = []       # sequences whose KV is recomputed on resume
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.stats = {"requests": 0, "generated_tokens": 0, "decode_steps": 0, "prefills": 0,
@@ -315,18 +328,49 @@ class Engine:
 
     def update_weights_from_disk(self, model_path: str, weight_version: Optional[str],
                                  callback: Callable[[bool, str], None], abort_all: bool = False) -> None:
-        """Swap in the weights of ``model_path`` once the running batch drains.
+        """Swap in the weights of ``model_path`` (see :meth:`update_weights`)."""
+        self.update_weights(lambda: load_model(model_path, self.dtype_name), weight_version, callback,
+                            abort_all=abort_all, source=model_path)
 
-        New requests wait meanwhile, so every response comes from one weight version.
+    def update_weights(self, load: Callable[[], Any], weight_version: Optional[str],
+                       callback: Callable[[bool, str], None], *, abort_all: bool = False,
+                       source: str = "new weights") -> None:
+        """Serve the weights ``load()`` returns (a model or a state dict, see :meth:`swap_weights`).
+
+        ``load`` runs on the engine thread when the update is applied: once the running batch
+        drains (new requests wait meanwhile, so every response comes from one weight version),
+        or at once, between two decode steps, while the engine is paused (:meth:`pause`).
         ``callback(success, message)`` runs on the engine thread.
         """
-        self._inbox.put(("update", model_path, weight_version, callback, abort_all))
+        self._inbox.put(("update", load, weight_version, callback, abort_all, source))
+
+    def pause(self, mode: str, callback: Callable[[], None]) -> None:
+        """Stop running forwards between two decode steps (SGLang's ``/pause_generation``).
+
+        ``in_place``: running sequences keep their KV and continue after :meth:`resume`.
+        ``retract``: their KV is dropped and recomputed (prompt + output so far) on resume.
+        ``abort``: every running and waiting request finishes with ``abort``.
+        Requests submitted while paused wait. ``callback()`` runs on the engine thread once paused.
+        """
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        self._inbox.put(("pause", mode, callback))
+
+    def resume(self, callback: Callable[[], None]) -> None:
+        """Undo :meth:`pause` (SGLang's ``/continue_generation``); ``callback()`` once running again."""
+        self._inbox.put(("continue", callback))
+
+    @property
+    def paused(self) -> Optional[str]:
+        """The mode of the pause in force, or None while generating."""
+        return self._paused
 
     def load(self) -> dict:
         """Queue and batch sizes, for /get_server_info."""
         cache = self.prefix_cache
         hit = self.stats["cached_tokens"] / self.stats["prompt_tokens"] if self.stats["prompt_tokens"] else 0.0
         return {"running": len(self._batch) if self._batch else 0, "waiting": len(self._waiting),
+                "retracted": len(self._retracted), "paused": self._paused,
                 **self.stats, "prefix_cache": cache is not None, "prefix_cache_hit_rate": hit,
                 "prefix_cache_tokens": cache.tokens if cache else 0}
 
@@ -336,7 +380,9 @@ class Engine:
         torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while not self._stopping:
-                idle = self._batch is None and not self._waiting and not self._updates
+                # Paused, nothing runs until an update or a continue arrives.
+                busy = self._batch is not None or self._waiting or self._retracted
+                idle = not self._updates and (self._paused is not None or not busy)
                 try:
                     self._drain_inbox(block=idle)
                     self._step()
@@ -374,12 +420,36 @@ class Engine:
             self._updates.append(item[1:])
             if item[4]:  # abort_all_requests
                 self._abort(None, True, "Aborted for a weight update")
+        elif kind == "pause":
+            self._pause(item[1])
+            self._notify(item[2])
+        elif kind == "continue":
+            self._paused = None
+            self._notify(item[1])
+
+    def _pause(self, mode: str) -> None:
+        """Called between two decode steps, so no sequence is half-way through a forward."""
+        if mode == "abort":
+            self._abort(None, True, "Aborted by /pause_generation")
+        elif mode == "retract" and self._batch is not None:
+            # SGLang's retract: the KV goes, the tokens stay; resume recomputes it with the
+            # weights served then, and decoding goes on from the last sampled token.
+            self._retracted += self._batch.seqs
+            self._batch = None
+        self._paused = mode
+
+    @staticmethod
+    def _notify(callback) -> None:
+        try:
+            callback()
+        except Exception:
+            log.exception("pause/continue callback failed")
 
     def _abort(self, rid: Optional[str], abort_all: bool, message: str) -> None:
         reason = {"type": "abort", "message": message}
-        for seq in list(self._waiting):
+        for seq in list(self._waiting) + list(self._retracted):
             if abort_all or seq.req.rid == rid:
-                self._waiting.remove(seq)
+                (self._waiting if seq in self._waiting else self._retracted).remove(seq)
                 seq.finish = dict(reason)
                 self.stats["aborted"] += 1
                 self._deliver(seq)
@@ -391,21 +461,27 @@ class Engine:
             self._drop_finished()
 
     def _fail_all(self, message: str) -> None:
-        seqs = self._prefilling + self._waiting + (self._batch.seqs if self._batch else [])
-        self._prefilling, self._waiting, self._batch = [], [], None
+        seqs = self._prefilling + self._retracted + self._waiting + (self._batch.seqs if self._batch else [])
+        self._prefilling, self._retracted, self._waiting, self._batch = [], [], [], None
         for seq in seqs:
             if seq.finish is None:
                 seq.finish = {"type": "abort", "message": message}
             self._deliver(seq)
         if self._stopping:  # nobody will apply them any more
             updates, self._updates = self._updates, []
-            for _, _, callback, _ in updates:
-                callback(False, message)
+            for update in updates:
+                update[2](False, message)
 
     def _step(self) -> None:
-        if self._updates and self._batch is None:
-            self._apply_updates()
+        if self._updates and (self._batch is None or self._paused is not None):
+            self._apply_updates()       # paused: at once, the running batch keeps its KV
             return
+        if self._paused is not None:
+            return
+        if self._retracted:
+            t0 = time.thread_time()
+            self._recompute()
+            self.stats["prefill_cpu_s"] += time.thread_time() - t0
         if self._waiting and not self._updates:
             admitted = self._admit()
             if admitted:
@@ -566,9 +642,28 @@ class Engine:
             if is_last:
                 p.last_logits = logits[k]
 
+    def _recompute(self) -> None:
+        """Rebuild the KV of retracted sequences (prompt + output but the last token) and rejoin the batch.
+
+        One forward per sequence with the weights served now; nothing is sampled: decoding goes on
+        from the last sampled token, as SGLang does after a retract. The prefix cache is left alone
+        (these prompts end in generated tokens, which later prompts rarely share).
+        """
+        seqs, self._retracted = self._retracted, []
+        pasts = []
+        for seq in seqs:
+            ids = seq.req.input_ids + seq.output_ids[:-1]
+            out = self.model.base_model(input_ids=torch.tensor([ids], dtype=torch.long),
+                                        past_key_values=self._make_cache(None), use_cache=True)
+            pasts.append([(layer.keys, layer.values) for layer in out.past_key_values.layers])
+        last = torch.tensor([seq.output_ids[-1] for seq in seqs], dtype=torch.long)
+        new = self._stack(seqs, pasts, last)
+        self._batch = new if self._batch is None else self._merge(self._batch, new)
+        self._trim()
+
     def _stack(self, seqs: list[_Seq], pasts: list, last: torch.Tensor) -> _Batch:
         """A batch from per-sequence KV (per layer ``(keys, values)`` ``[1, H, n_r, D]``), left-padded."""
-        lens = [len(s.req.input_ids) for s in seqs]
+        lens = [kv[0][0].shape[2] for kv in pasts]     # tokens in the cache; `last` goes at position n_r
         S = max(lens)
 
         def pad(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -785,31 +880,63 @@ class Engine:
 
     def _apply_updates(self) -> None:
         while self._updates:
-            model_path, version, callback, _ = self._updates.pop(0)
-            ok, message = self._swap_weights(model_path, version)
+            load, version, callback, _, source = self._updates.pop(0)
+            try:
+                weights = load()
+            except Exception as exc:
+                ok, message = False, f"Failed to load weights from {source}: {type(exc).__name__}: {exc}"
+            else:
+                ok, message = self.swap_weights(weights, version, source)
             try:
                 callback(ok, message)
             except Exception:
                 log.exception("update callback failed")
 
-    def _swap_weights(self, model_path: str, version: Optional[str]) -> tuple[bool, str]:
+    def swap_weights(self, weights: Any, version: Optional[str] = None,
+                     source: str = "new weights") -> tuple[bool, str]:
+        """Serve ``weights`` from the next forward on: ``(success, message)``. Engine thread only.
+
+        ``weights`` is a model (it replaces the served one; its config must match) or a state
+        dict (its tensors are copied into the served model; every name must exist with its
+        shape, and a subset is allowed). A mismatch changes nothing. On success the prefix cache
+        is emptied (its KV came from the old weights) and ``weight_version`` becomes ``version``
+        (or the next integer). Running sequences keep their KV: the update hooks
+        (:meth:`update_weights`) call this only with the batch drained or the engine paused.
+        """
         t0 = time.perf_counter()
-        try:
-            new_model = load_model(model_path, self.dtype_name)
-        except Exception as exc:
-            return False, f"Failed to load weights from {model_path}: {type(exc).__name__}: {exc}"
-        problem = check_compatible(self.model, new_model)
+        if isinstance(weights, torch.nn.Module):
+            problem = check_compatible(self.model, weights)
+        else:
+            problem = self._copy_state(weights)
         if problem:
-            return False, f"Weights in {model_path} do not match the served model ({problem}); kept the old weights."
-        self.model, self.config = new_model, new_model.config
+            return False, f"Weights in {source} do not match the served model ({problem}); kept the old weights."
+        if isinstance(weights, torch.nn.Module):
+            self.model, self.config = weights.eval(), weights.config
+            if isinstance(source, str) and os.path.isdir(source):
+                self.model_path = source
         if self.prefix_cache is not None:   # its KV was computed by the old weights
             self.prefix_cache.flush()
-        self.model_path = model_path
         if version is not None:
             self.weight_version = str(version)
         elif self.weight_version.isdigit():
             self.weight_version = str(int(self.weight_version) + 1)
         else:
             self.weight_version = "1"
-        return True, (f"Succeeded to update model weights from {model_path} in {time.perf_counter() - t0:.2f}s; "
+        return True, (f"Succeeded to update model weights from {source} in {time.perf_counter() - t0:.2f}s; "
                       f"weight_version={self.weight_version}.")
+
+    def _copy_state(self, state: dict) -> Optional[str]:
+        """Copy ``state`` (name -> tensor) into the served model's tensors; why not, or None once done."""
+        if not isinstance(state, dict) or not state:
+            return f"expected a model or a non-empty state dict, got {type(state).__name__}"
+        own = self.model.state_dict()
+        unknown = sorted(set(state) - set(own))
+        if unknown:
+            return f"unexpected tensors {unknown[:3]}"
+        for name, t in state.items():       # check everything before changing anything
+            if tuple(t.shape) != tuple(own[name].shape):
+                return f"{name}: shape {tuple(t.shape)} != {tuple(own[name].shape)}"
+        with torch.no_grad():
+            for name, t in state.items():
+                own[name].copy_(t.to(device=own[name].device, dtype=own[name].dtype))
+        return None

@@ -8,7 +8,7 @@
 - :class:`ApiKeyMiddleware`: SGLang's ``--api-key`` / ``--admin-api-key`` rules
   (``sglang/srt/utils/auth.py: decide_request_auth``): with a key set, every route but
   ``/health*`` needs ``Authorization: Bearer <key>``; the admin routes (weight updates,
-  cache flush, abort) need the admin key when one is set.
+  cache flush, abort, pause/continue) need the admin key when one is set.
 """
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ async def read_json_body(request: Request, max_bytes: int) -> dict:
 
 # ---- API keys (SGLang's rules) ---------------------------------------------------------------------------
 
-ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/flush_cache", "/abort_request"})
+ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/flush_cache", "/abort_request", "/pause_generation",
+                         "/continue_generation"})
 
 
 def _bearer_ok(header: Optional[str], expected: str) -> bool:

@@ -155,3 +155,24 @@ def test_numpy_and_torch_input_ids_arrive_as_plain_ints(fake_server):
                 [np.int64(4), np.int32(5), 6]):
         run(client.generate(input_ids=ids, max_new_tokens=2))
     assert [c["body"]["input_ids"] for c in srv.calls] == [[4, 5, 6]] * 4
+
+
+def test_pause_and_continue_generation_hit_every_server(fake_server):
+    def reply(method, path, body, headers):
+        return 200, {"message": "ok", "status": "ok"}
+    a, b = fake_server(reply), fake_server(reply)
+    client = SGLangClient([a.url, b.url])
+    run(client.pause_generation("in_place"))
+    run(client.continue_generation())
+    for srv in (a, b):   # SGLang's bodies
+        assert [(c["path"], c["body"]) for c in srv.calls] == [("/pause_generation", {"mode": "in_place"}),
+                                                               ("/continue_generation", {})]
+    with pytest.raises(ValueError, match="abort, retract, in_place"):
+        run(client.pause_generation("drain"))
+    assert len(a.calls) == 2     # nothing sent
+
+    refused = fake_server(lambda *x: (404, {"detail": "Not Found"}))
+    client = SGLangClient([refused.url, a.url], max_retries=0)
+    with pytest.raises(LLMError, match="404"):
+        run(client.continue_generation())
+    assert a.calls[-1]["path"] == "/continue_generation"    # the other server was still resumed

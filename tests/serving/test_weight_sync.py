@@ -13,10 +13,15 @@ PROBE = [5, 6, 7, 8]
 GOOD_LP = [-1.0, -2.0, -3.0]
 
 
-def server(update_ok=True, served_version=None, logprobs=GOOD_LP, hang_s=0.0):
+def server(update_ok=True, served_version=None, logprobs=GOOD_LP, hang_s=0.0, pause_status=200,
+           continue_status=200):
     state = {"version": "default"}
 
     def reply(method, path, body, headers):
+        if path == "/pause_generation":      # SGLang's replies
+            return pause_status, {"message": "Generation paused successfully.", "status": "ok"}
+        if path == "/continue_generation":
+            return continue_status, {"message": "Generation continued successfully.", "status": "ok"}
         if path == "/update_weights_from_disk":
             if hang_s:
                 time.sleep(hang_s)
@@ -35,11 +40,11 @@ def server(update_ok=True, served_version=None, logprobs=GOOD_LP, hang_s=0.0):
     return FakeServer(reply)
 
 
-def run_sync(*servers, expected=GOOD_LP, timeout_s=5.0):
+def run_sync(*servers, expected=GOOD_LP, timeout_s=5.0, **kw):
     client = SGLangClient([s.url for s in servers], timeout_s=timeout_s, max_retries=0)
     try:
         return asyncio.run(sync_weights(client, "/weights/step_3", 3, probe_ids=PROBE,
-                                        expected_logprobs=np.asarray(expected), tol=1e-3, timeout_s=timeout_s))
+                                        expected_logprobs=np.asarray(expected), tol=1e-3, timeout_s=timeout_s, **kw))
     finally:
         asyncio.run(client.aclose())
 
@@ -90,3 +95,98 @@ def test_hung_update_fails_within_timeout():
         assert time.monotonic() - t0 < 3.0
     finally:
         s.close()
+
+
+# ---- in-flight flow: pause -> update -> continue, continue on every path ---------------------------------
+
+PAUSED_FLOW = ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_in_flight_sync_pauses_updates_continues_then_probes(mode):
+    a, b = server(), server()
+    try:
+        out = run_sync(a, b, inflight=True, pause_mode=mode)
+        assert out["probe_mismatch"] < 1e-9
+        for s in (a, b):   # the probe comes after continue: a paused server would not answer it
+            assert s.paths() == PAUSED_FLOW + ["/generate"]
+            assert s.calls[0]["body"] == {"mode": mode}
+            assert s.calls[1]["body"] == {"model_path": "/weights/step_3", "weight_version": "3"}
+    finally:
+        a.close(), b.close()
+
+
+def test_in_flight_sync_continues_after_a_rejected_update():
+    s = server(update_ok=False)
+    try:
+        with pytest.raises(WeightSyncError, match="rejected.*shape mismatch"):
+            run_sync(s, inflight=True)
+        assert s.paths() == PAUSED_FLOW
+    finally:
+        s.close()
+
+
+def test_in_flight_sync_continues_after_a_hung_update_within_the_timeout():
+    s = server(hang_s=5.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="did not finish within"):
+            run_sync(s, timeout_s=1.0, inflight=True)
+        assert time.monotonic() - t0 < 2.0     # the whole flow, continue included, within timeout_s (+ slack)
+        assert s.paths() == PAUSED_FLOW
+    finally:
+        s.close()
+
+
+def test_in_flight_sync_refused_pause_sends_no_update_and_still_continues():
+    s = server(pause_status=404)
+    try:
+        with pytest.raises(WeightSyncError, match="pause_generation.*sync_inflight: false"):
+            run_sync(s, inflight=True)
+        assert s.paths() == ["/pause_generation", "/continue_generation"]
+    finally:
+        s.close()
+
+
+def test_in_flight_sync_failed_continue_is_loud_and_names_the_first_failure():
+    s = server(update_ok=False, continue_status=500)
+    try:
+        with pytest.raises(WeightSyncError, match="stays paused.*shape mismatch"):
+            run_sync(s, inflight=True)
+    finally:
+        s.close()
+    ok = server(continue_status=400)
+    try:
+        with pytest.raises(WeightSyncError, match="continue_generation failed.*stays paused"):
+            run_sync(ok, inflight=True)
+        assert "/generate" not in ok.paths()
+    finally:
+        ok.close()
+
+
+def test_in_flight_sync_refuses_an_unknown_pause_mode():
+    s = server()
+    try:
+        with pytest.raises(WeightSyncError, match="sync_pause_mode"):
+            run_sync(s, inflight=True, pause_mode="abort_everything")
+        assert s.paths() == []
+    finally:
+        s.close()
+
+
+def test_in_flight_sync_skips_an_unreachable_server_as_a_plain_sync_does():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    live = server()
+    client = SGLangClient([live.url, dead], timeout_s=5.0, max_retries=0)
+    try:
+        asyncio.run(sync_weights(client, "/weights/step_3", 3, probe_ids=PROBE, expected_logprobs=np.asarray(GOOD_LP),
+                                 tol=1e-3, timeout_s=5.0, inflight=True))
+        assert client.urls == [live.url] and live.paths() == PAUSED_FLOW + ["/generate"]
+    finally:
+        asyncio.run(client.aclose())
+        live.close()
