@@ -288,7 +288,11 @@ class Rank0Services:
         cfg = self.cfg
         t_start = time.perf_counter()
         tasks = self.sampler.next(cfg.rollout.tasks_per_step)   # only this thread draws in async mode
-        pool = ResumingPool(self.pool, load_completed(cfg.run_dir, step), EpisodeAppender(cfg.run_dir, step))
+        done = load_completed(cfg.run_dir, step)
+        if done:
+            self.bar.write(f"step {step + 1}: {len(done)} completed episode(s) on disk from before the restart "
+                           "are reused, not run again")
+        pool = ResumingPool(self.pool, done, EpisodeAppender(cfg.run_dir, step))
         trajs, pool_stats = rollout_with_retries(pool, tasks, cfg, step, servers=self.servers, say=self.bar.write)
         t_rollout = time.perf_counter() - t_start
         batch = build_batch(trajs, step, cfg, self.grammar)

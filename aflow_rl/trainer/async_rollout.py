@@ -114,7 +114,7 @@ class AsyncRollout:
     def overlap_s(self, start: float, end: float) -> float:
         """Seconds of ``[start, end]`` (on ``clock``) in which a chunk was running."""
         with self._cv:
-            spans = list(self._busy) + ([(self._running_since, self.clock())] if self._running_since else [])
+            spans = list(self._busy) + ([(self._running_since, self.clock())] if self._running_since is not None else [])
             self._busy = [s for s in self._busy if s[1] >= start]   # older spans cannot overlap later steps
         return sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
 
