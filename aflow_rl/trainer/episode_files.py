@@ -46,6 +46,13 @@ class EpisodeAppender:
     def __init__(self, run_dir: str, step: int):
         self.path = episode_path(run_dir, step)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        # A kill mid-write leaves a last line without its newline: end it, or the next episode
+        # would be glued to it and lost with it.
+        if os.path.exists(self.path) and os.path.getsize(self.path):
+            with open(self.path, "rb+") as fh:
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
 
     def __call__(self, traj: Trajectory) -> None:
         with open(self.path, "a", encoding="utf-8") as fh:

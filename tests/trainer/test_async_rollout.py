@@ -238,6 +238,8 @@ def test_episode_files_reuse_what_completed_and_run_only_the_rest(tmp_path):
         fh.write('{"episode_id": "g1/0", "group_id": "g1", "tur')      # cut short by a kill
     done = load_completed(str(tmp_path), 3)
     assert sorted(done) == ["g0/0", "g0/1"] and done["g0/0"].ok
+    EpisodeAppender(str(tmp_path), 3)(_traj("g1/0"))                   # after the cut line, not glued to it
+    assert sorted(load_completed(str(tmp_path), 3)) == ["g0/0", "g0/1", "g1/0"]
     assert load_completed(str(tmp_path), 4) == {}
 
     class Pool:   # the public API only
