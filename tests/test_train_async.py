@@ -21,7 +21,7 @@ def episode_lines(run_dir, step):
     return open(path).read().splitlines() if os.path.exists(path) else []
 
 
-@pytest.mark.slow   # two runs of configs/test.yaml: 176 s under nice at load ~3 on 2 cores
+@pytest.mark.slow   # two runs of configs/test.yaml: 176 s under nice at load 8-13 on 2 cores
 def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_episodes(tmp_path, tiny_model_dir):
     run_dir = str(tmp_path / "run")
     args = [sys.executable, "train.py", "configs/test.yaml", f"run.dir={run_dir}",
