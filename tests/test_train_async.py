@@ -61,6 +61,13 @@ def test_async_run_killed_with_sigkill_resumes_without_losing_or_repeating_episo
     state = json.load(open(os.path.join(run_dir, "checkpoints", "step_4", "trainer_state.json")))
     assert state["step"] == 4 and state["sampler"]["position"] == 8        # no task drawn twice or skipped
     assert_each_step_once(run_dir, 4)
+    from tests.test_train import scalars   # the real server's weight versions, as trained
+    lags = [e.value for e in scalars(run_dir).Scalars("async/staleness_max")]
+    assert len(lags) == 4 and all(0 <= lag <= 1 for lag in lags), lags
+    for step in range(4):   # and per turn, from the episode files: sampled at most k=1 versions back
+        versions = [t["policy_version"] for line in episode_lines(run_dir, step) if _parses(line)
+                    for t in json.loads(line)["turns"]]
+        assert versions and all(step - 1 <= v <= step for v in versions), (step, versions)
 
 
 def _parses(line):
