@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
             stats = learner.train(batch)
             due = (step + 1) % cfg.trainer.sync_every == 0 and batch.turns
             stats["timing/sync_s"] = learner.sync(rank0.policy_admin, step + 1) if due else 0.0
-            state.step, state.anneal_step, state.sampler = step + 1, step + 1, rank0.sampler_state()
+            state.step, state.anneal_step, state.sampler = step + 1, step + 1, rank0.sampler_state(step + 1)
+            on_rank0(rank0.publish, step + 1, share=False)   # async mode: admits the next chunk
             stats["timing/step_s"] = time.perf_counter() - t_start
             on_rank0(rank0.log, step, batch, stats, share=False)
             if (step + 1) % cfg.trainer.save_every == 0 or step + 1 == cfg.trainer.max_steps:
@@ -203,8 +204,10 @@ class Rank0Services:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.servers = self.sampler = self.pool = self.policy_admin = self.grammar = None
-        self.logger = self.bar = self.tokenizer = None
+        self.logger = self.bar = self.tokenizer = self.stream = None
         self._trajs: list = []   # the last rollout's episodes, for the text samples
+        self._start_position = self._start_step = 0   # the sampler where this process began
+        self._train_from = 0.0   # perf_counter when the last batch went to the trainer (timing/overlap)
 
     def start_servers(self) -> None:
         """The run directory, the resolved config, and the inference servers (which build the
@@ -239,32 +242,88 @@ class Rank0Services:
         self.grammar = GrammarBackend.from_pretrained(cfg.serving.policy.model_path)
         self.tokenizer = tokenizer
         self.bar = tqdm(total=cfg.trainer.max_steps, initial=state.step, desc=cfg.run.name, dynamic_ncols=True)
+        self._start_position, self._start_step = self.sampler.position, state.step
+        if cfg.trainer.max_staleness > 0:
+            from aflow_rl.trainer.async_rollout import AsyncRollout
+
+            self.stream = AsyncRollout(self.produce, max_staleness=cfg.trainer.max_staleness, start_step=state.step,
+                                       max_steps=cfg.trainer.max_steps, size=lambda item: len(item[1]),
+                                       clock=time.perf_counter)
 
     def rollout(self, step: int):
-        """B tasks x G episodes through the pool (retried while every episode fails, see
-        :func:`rollout_with_retries`), saved as they come, then :func:`build_batch`."""
+        """Step ``step``'s Batch. Synchronous (``trainer.max_staleness=0``): B tasks x G episodes
+        through the pool now (retried while every episode fails, see :func:`rollout_with_retries`),
+        saved, then :func:`build_batch`. Asynchronous: the chunk the rollout thread produced
+        (:mod:`aflow_rl.trainer.async_rollout`), waiting for it if needed."""
+        from aflow_rl.trainer.async_rollout import staleness_stats
         from aflow_rl.trainer.batch import build_batch
 
         cfg = self.cfg
+        if self.stream is not None:
+            # Started at the first step, not in start_rollout: a resumed run syncs the servers to its
+            # checkpoint's weights in between, and no episode may be sampled from the base model.
+            (batch, trajs), info = self.stream.start().take(step)
+            waits = {"async/admission_wait_s": info["admission_wait_s"], "async/queue_episodes": info["queue_episodes"]}
+        else:
+            t_start = time.perf_counter()
+            tasks = self.sampler.next(cfg.rollout.tasks_per_step)
+            trajs, pool_stats = rollout_with_retries(
+                self.pool, tasks, cfg, step, servers=self.servers, say=self.bar.write,
+                save=lambda trajs, again: _save_episodes(cfg.run_dir, step, trajs, append=again))
+            t_rollout = time.perf_counter() - t_start
+            batch = build_batch(trajs, step, cfg, self.grammar)
+            batch.stats = {**_pool_tags(pool_stats), **batch.stats, "timing/rollout_s": t_rollout}
+            waits = {"async/admission_wait_s": 0.0, "async/queue_episodes": 0.0}
+        batch.stats.update({**waits, **staleness_stats(batch.turns, step)})
+        self._trajs, self._train_from = trajs, time.perf_counter()
+        return batch
+
+    def produce(self, step: int):
+        """The rollout thread's work for step ``step`` (asynchronous mode): draw its tasks, run the
+        episodes not already on disk from before a kill (each appended to the step's episode file
+        as it completes), build the Batch. Returns (Batch, trajectories)."""
+        from aflow_rl.trainer.batch import build_batch
+        from aflow_rl.trainer.episode_files import EpisodeAppender, ResumingPool, load_completed
+
+        cfg = self.cfg
         t_start = time.perf_counter()
-        tasks = self.sampler.next(cfg.rollout.tasks_per_step)
-        trajs, pool_stats = rollout_with_retries(
-            self.pool, tasks, cfg, step, servers=self.servers, say=self.bar.write,
-            save=lambda trajs, again: _save_episodes(cfg.run_dir, step, trajs, append=again))
+        tasks = self.sampler.next(cfg.rollout.tasks_per_step)   # only this thread draws in async mode
+        done = load_completed(cfg.run_dir, step)
+        if done:
+            self.bar.write(f"step {step + 1}: {len(done)} completed episode(s) on disk from before the restart "
+                           "are reused, not run again")
+        pool = ResumingPool(self.pool, done, EpisodeAppender(cfg.run_dir, step))
+        trajs, pool_stats = rollout_with_retries(pool, tasks, cfg, step, servers=self.servers, say=self.bar.write)
         t_rollout = time.perf_counter() - t_start
         batch = build_batch(trajs, step, cfg, self.grammar)
         batch.stats = {**_pool_tags(pool_stats), **batch.stats, "timing/rollout_s": t_rollout}
-        self._trajs = trajs
-        return batch
+        return batch, trajs
 
-    def sampler_state(self):
-        return self.sampler.state_dict() if self.sampler is not None else None
+    def publish(self, version: int) -> None:
+        """Optimizer step ``version - 1`` is trained (and synced when due): async admission moves on."""
+        if self.stream is not None:
+            self.stream.publish(version)
+
+    def sampler_state(self, step: int | None = None):
+        """The sampler as it stood before drawing step ``step``'s tasks (what a run resumed at
+        ``step`` must draw next). Asynchronous mode has drawn ahead, so it is computed: every
+        step draws ``tasks_per_step`` tasks (retries reuse them)."""
+        if self.sampler is None:
+            return None
+        if self.stream is None or step is None:
+            return self.sampler.state_dict()
+        position = self._start_position + (step - self._start_step) * self.cfg.rollout.tasks_per_step
+        return {**self.sampler.state_dict(), "position": position}
 
     def log(self, step: int, batch, train_stats: dict) -> None:
         """TensorBoard scalars (every ``log_every`` steps and the last), the advantage histogram,
         sample episodes (every ``sample_every``), and the progress bar."""
         cfg, logger = self.cfg, self.logger
         stats = {**batch.stats, **train_stats}
+        # timing/overlap: the share of the step in which the rollout thread ran while training did.
+        trained = self.stream.overlap_s(self._train_from, self._train_from + train_stats["timing/train_s"]) \
+            if self.stream is not None else 0.0
+        stats["timing/overlap"] = trained / stats["timing/step_s"] if stats.get("timing/step_s") else 0.0
         if step % cfg.trainer.log_every == 0 or step + 1 == cfg.trainer.max_steps:
             logger.scalars(stats, step + 1)
             if len(batch.advantages):
@@ -283,7 +342,9 @@ class Rank0Services:
 
     def close(self) -> None:
         """Close the bar first (a message after it starts on its own line), then the pool, logger, servers."""
-        for part, stop in ((self.bar, "close"), (self.pool, "close"), (self.logger, "close"), (self.servers, "stop")):
+        parts = ((self.stream, "close"), (self.bar, "close"), (self.pool, "close"), (self.logger, "close"),
+                 (self.servers, "stop"))
+        for part, stop in parts:
             if part is not None:
                 getattr(part, stop)()
 
@@ -333,7 +394,9 @@ def _choose_start(cfg: Config) -> str | None:
             print(f"resume=never: set aside the earlier checkpoint {old} as {set_aside(old, 'superseded')}",
                   flush=True)
     step = read_trainer_state(path).step if path else 0
-    rewound = rewind(cfg.run_dir, step, saved_at(path) if path else None)
+    # Async mode keeps the episode files of untrained steps: the resumed rollout reuses them.
+    rewound = rewind(cfg.run_dir, step, saved_at(path) if path else None,
+                     keep_episodes=cfg.trainer.max_staleness > 0)
     if path:
         print(f"resumed from step {step} at {path}"
               + (f"; dropped the {rewound} recorded after it" if rewound.any else ""), flush=True)

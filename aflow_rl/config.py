@@ -247,6 +247,7 @@ class TrainerConfig:
     deepspeed_config: str = _f("", "Path to a DeepSpeed JSON; its keys override the ones built from this section.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     sync_every: int = _f(1, "Push weights to the policy servers every N optimizer steps.")
+    max_staleness: int = _f(0, "Asynchronous training: k >= 1 keeps the rollout running while the trainer trains; an episode group starts only while it will be trained at most k optimizer steps after the step whose weights sample it (admission control), batches are trained oldest first and no completed episode is discarded. 0: the synchronous loop (rollout, train, sync).")
     save_every: int = _f(50, "Checkpoint every N optimizer steps (and at the end).")
     keep_last: int = _f(3, "Checkpoints kept (older ones are deleted).")
     log_every: int = _f(1, "TensorBoard scalars every N steps.")
@@ -564,6 +565,8 @@ _MINIMUMS = {
     "trainer.log_every": (1, "scalars every N steps"),
     "trainer.sample_every": (1, "text samples every N steps; a value above trainer.max_steps logs only step 0"),
     "trainer.max_failed_step_retries": (0, "retries of a step whose episodes all failed"),
+    "trainer.max_staleness": (0, "optimizer steps an episode may lag the policy it is trained on; "
+                                 "0 is the synchronous loop"),
     "serving.policy.num_servers": (1, "server processes of the role"),
     "serving.actor.num_servers": (1, "server processes of the role"),
 }

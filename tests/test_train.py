@@ -23,6 +23,7 @@ REQUIRED_TAGS = [
     "rewards/format/mean", "losses/policy", "losses/kl", "losses/clipfrac", "losses/entropy", "losses/grad_norm",
     "charts/lr", "episode/critical_steps", "episode/item_f1", "episode/avg_parallelism", "timing/rollout_s",
     "timing/train_s", "timing/sync_s", "perf/tokens_per_s", "perf/logprob_mismatch", "pool/retries", "pool/failed",
+    "async/staleness_mean", "async/staleness_max", "async/queue_episodes", "async/admission_wait_s", "timing/overlap",
 ]
 
 
@@ -47,6 +48,9 @@ def test_smoke_run_writes_events_checkpoint_trace_and_config(tmp_path, tiny_mode
     missing = [t for t in REQUIRED_TAGS if t not in tags]
     assert not missing, f"missing tags {missing}; have {sorted(tags)}"
     assert [e.step for e in acc.Scalars("rewards/mean")] == [1, 2]   # one x-axis: the optimizer step
+    # The synchronous loop (max_staleness 0): every turn sampled by the weights it is trained on.
+    assert [e.value for e in acc.Scalars("async/staleness_max")] == [0.0, 0.0]
+    assert [e.value for e in acc.Scalars("timing/overlap")] == [0.0, 0.0]
     assert acc.Tags()["histograms"] and acc.Tags()["tensors"]        # advantages histogram, text samples
 
     ckpt = os.path.join(run_dir, "checkpoints", "step_2")

@@ -14,7 +14,9 @@ again, so before it starts:
   ``time``) is dropped; all of them when starting over. Trace events carry no
   training step, but each rollout starts after the previous checkpoint is
   written, so the time splits them exactly (on one clock: the workers' machine).
-- ``episodes/``: the files of steps N and later are deleted.
+- ``episodes/``: the files of steps N and later are deleted, except in asynchronous mode
+  (``keep_episodes``): there they hold completed episodes not yet trained, which the resumed
+  rollout reuses (aflow_rl/trainer/episode_files.py).
 
 TensorBoard logs step ``k`` for the state after ``k`` optimizer steps (1-based),
 episode files are numbered by the 0-based step that produced them.
@@ -47,13 +49,14 @@ class Rewound:
                 f"{self.episodes} episode file(s)")
 
 
-def rewind(run_dir: str, step: int, since: float | None) -> Rewound:
+def rewind(run_dir: str, step: int, since: float | None, keep_episodes: bool = False) -> Rewound:
     """Drop every record of ``run_dir`` that belongs to a step after ``step`` (see the module
     docstring). ``since``: when the checkpoint of ``step`` began to be written (None: no
-    checkpoint, every trace event goes). Call on rank 0 before any writer of the run starts."""
+    checkpoint, every trace event goes). ``keep_episodes``: leave the episode files (async mode).
+    Call on rank 0 before any writer of the run starts."""
     return Rewound(events=rewind_events(os.path.join(run_dir, "events"), step),
                    traces=rewind_traces(os.path.join(run_dir, "traces"), since),
-                   episodes=rewind_episodes(os.path.join(run_dir, "episodes"), step))
+                   episodes=0 if keep_episodes else rewind_episodes(os.path.join(run_dir, "episodes"), step))
 
 
 def rewind_events(log_dir: str, step: int) -> int:
