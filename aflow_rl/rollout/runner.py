@@ -30,7 +30,7 @@ from aflow_rl.config import ConfigError
 from aflow_rl.envs.loader import EnvModule, load_env
 from aflow_rl.procs import die_with_parent
 from aflow_rl.rollout.messages import (Cancel, Dial, Done, EpisodeError, Hello, Run, Started, Stop, Unqueue,
-                                       Unqueued, WorkerStartError)
+                                       Unqueued, WorkerStartError, decode, encode)
 from aflow_rl.rollout.traces import TraceWriter, episode_scope
 from aflow_rl.rollout.types import Trajectory, WorkerContext
 
@@ -289,11 +289,11 @@ class ConnLink:
         self.lock = threading.Lock()  # episodes finish on the loop, Unqueued answers too: one writer at a time
 
     def recv(self) -> Any:
-        return self.conn.recv()
+        return decode(self.conn.recv())
 
     def send(self, msg: Any) -> None:
         with self.lock:
-            self.conn.send(msg)
+            self.conn.send(encode(msg))
 
 
 def serve_link(link: Link, spec: str, ctx: WorkerContext, concurrency: int, timeout_s: float,
@@ -339,7 +339,7 @@ def serve_remote(address: Any, authkey: bytes, slot: int, gen: int, *args: Any) 
     """Entry point of a dask slot: dial back to the pool's switchboard, then ``serve_link``."""
     conn = Client(address, authkey=authkey)
     try:
-        conn.send(Dial(slot, gen))
+        conn.send(encode(Dial(slot, gen)))
         return serve_link(ConnLink(conn), *args)
     finally:
         conn.close()

@@ -38,7 +38,8 @@ from multiprocessing.connection import Listener, wait
 from typing import Any
 
 from aflow_rl.procs import can_signal_children
-from aflow_rl.rollout.messages import Dial, Done, Exited, Hello, Lost, Run, Stop, WorkerStartError
+from aflow_rl.rollout.messages import (Done, Exited, Hello, Lost, Run, Stop, WorkerStartError, decode,
+                                       encode)
 from aflow_rl.rollout.runner import EpisodeRunner, get_runner, serve, serve_process, serve_remote
 from aflow_rl.rollout.types import WorkerContext
 
@@ -140,10 +141,10 @@ class ProcessSlot(Slot):
         try:
             while True:
                 if conn in wait([conn, process.sentinel]):
-                    self._post(gen, conn.recv())
+                    self._post(gen, decode(conn.recv()))
                     continue
                 while conn.poll(0):  # dead: what it wrote before dying is all in the pipe already
-                    self._post(gen, conn.recv())
+                    self._post(gen, decode(conn.recv()))
                 break
         except (EOFError, OSError):
             pass
@@ -156,7 +157,7 @@ class ProcessSlot(Slot):
         if self.state == DEAD:  # killed or stopped: the pool has moved on
             return
         try:
-            self.conn.send(msg)
+            self.conn.send(encode(msg))
         except (OSError, EOFError):  # it died (or the reader closed the pipe); the reader reports it
             pass
 
@@ -227,7 +228,7 @@ class Switchboard:
 
     def _read(self, conn: Any) -> None:
         try:
-            slot, gen = Dial(*conn.recv())
+            slot, gen = decode(conn.recv())
         except Exception:
             conn.close()
             return
@@ -237,7 +238,7 @@ class Switchboard:
         self.conns[(slot, gen)] = conn
         while True:
             try:
-                msg = conn.recv()
+                msg = decode(conn.recv())
             except (EOFError, OSError):
                 self.events.put((slot, gen, Lost("connection closed")))
                 return
@@ -288,7 +289,7 @@ class DaskSlot(Slot):
         if self.conn is None:  # already closed by kill(); the pool has moved on
             return
         try:
-            self.conn.send(msg)
+            self.conn.send(encode(msg))
         except (OSError, EOFError):  # it died; the reader reports the loss
             pass
 
