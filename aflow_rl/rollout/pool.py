@@ -6,8 +6,8 @@
             ...                      # in completion order; pool.stats has pool/retries, pool/failed
 
 Backends (``rollout.backend``): ``loky`` spawns ``workers`` processes (the
-name is kept from the launcher it once used; today each is a multiprocessing
-*spawn* process with a Pipe, ``slots.ProcessSlot``), ``dask`` runs ``workers``
+name is kept from the launcher it once used; today each is a fresh
+interpreter with a socket pair, ``slots.ProcessSlot``), ``dask`` runs ``workers``
 long-lived tasks on the cluster at ``dask_address``, ``threading`` runs
 ``workers`` threads here, and ``sequential`` runs one episode at a time in the
 caller's thread. Each
@@ -44,7 +44,6 @@ thread is abandoned (the episode is still timed out and retried), and
 """
 from __future__ import annotations
 
-import atexit
 import collections
 import itertools
 import os
@@ -184,8 +183,6 @@ class RolloutPool:
             return self
         t0 = time.perf_counter()
         self._started = True
-        # Before multiprocessing's own exit hook, which would wait forever for workers still serving.
-        atexit.register(self.close)
         try:
             self.workers = self._make_workers()
             for w in self.workers:
@@ -203,7 +200,6 @@ class RolloutPool:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
         for slot in self.slots:
             if slot.state == READY:
                 slot.stop()   # the serve loop cancels its episodes and returns

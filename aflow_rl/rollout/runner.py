@@ -320,7 +320,7 @@ def serve_link(link: Link, spec: str, ctx: WorkerContext, concurrency: int, time
 
 
 def serve_process(conn: Any, parent_pid: int, use_signal: bool, *args: Any) -> None:
-    """Entry point of a spawned worker process (local backend): ``serve_link`` over its end of a Pipe.
+    """Entry point of a local worker process (``slots.ProcessSlot``): ``serve_link`` over its socket pair.
 
     Set up first, before anything can hang: the process dies with the pool's
     process even if that is killed with SIGKILL (``aflow_rl.procs``).

@@ -7,9 +7,9 @@ message)``; the generation changes each time a slot is (re)started, so messages
 from a replaced process or abandoned thread are recognised and dropped.
 
 - ``ProcessSlot`` (``rollout.backend: loky``, the name kept from the launcher it
-  replaced): a process from multiprocessing's *spawn* context running
-  ``runner.serve_process`` over a ``Pipe``. One reader thread waits on the pipe
-  and the process's sentinel together; the pipe's end of file follows every
+  replaced): a fresh interpreter (``subprocess.Popen``) running
+  ``runner.serve_process`` over a socket pair. One reader thread waits on the
+  pipe and the process's pidfd together; the pipe's end of file follows every
   message the worker sent, so no finished result is lost in a crash, and the
   loss carries the reason from the exit code (``killed by SIGKILL``). The
   process dies with the pool's process (``aflow_rl.procs.die_with_parent``).
@@ -25,22 +25,22 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-import multiprocessing
 import os
 import queue
 import secrets
 import signal
 import socket
+import subprocess
+import sys
 import threading
-import time
 import urllib.parse
-from multiprocessing.connection import Listener, wait
+from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
 from aflow_rl.procs import can_signal_children
 from aflow_rl.rollout.messages import (Done, Exited, Hello, Lost, Run, Stop, WorkerStartError, decode,
                                        encode)
-from aflow_rl.rollout.runner import EpisodeRunner, get_runner, serve, serve_process, serve_remote
+from aflow_rl.rollout.runner import EpisodeRunner, get_runner, serve, serve_remote
 from aflow_rl.rollout.types import WorkerContext
 
 STARTING, READY, DEAD = "starting", "ready", "dead"
@@ -102,7 +102,12 @@ class Slot(abc.ABC):
 
 
 class ProcessSlot(Slot):
-    """A spawned process running ``serve_process`` over its end of a Pipe."""
+    """A worker process (``python -c _BOOT``) running ``serve_process`` over its end of a socket pair.
+
+    Why not multiprocessing's spawn: it re-runs the parent's main script in
+    the child, so a script that makes a pool without an ``if __name__ ==
+    "__main__"`` guard fails; and it starts a resource tracker nothing here uses.
+    """
 
     kind = "process"
 
@@ -110,37 +115,46 @@ class ProcessSlot(Slot):
         super().__init__(*args, **kw)
         self.sys_path = sys_path
         self.conn: Any = None
-        self.process: Any = None
+        self.process: subprocess.Popen | None = None
         self.reader: threading.Thread | None = None
 
     def _launch(self) -> None:
-        mp = multiprocessing.get_context("spawn")  # a fresh interpreter: no copied threads or locks
-        here, there = mp.Pipe()
+        self.process = None
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self.process = subprocess.Popen([sys.executable, "-c", _BOOT, str(theirs.fileno())],
+                                            pass_fds=[theirs.fileno()])
+        # Closed here once the child has its copy: our copy would keep the pipe from ever ending.
+        self.conn = Connection(ours.detach())
         # Each process gets its own copy of the context, with its index; state is per process.
         ctx = dataclasses.replace(self.ctx, worker_index=self.index, state={})
-        # can_signal_children() is read here, in the thread that forks: the kernel's parent-death
+        # can_signal_children() is read here, in the thread that forked: the kernel's parent-death
         # signal is tied to that thread (aflow_rl.procs).
-        self.process = mp.Process(target=serve_process, name=f"rollout-worker-{self.index}", args=(
-            there, os.getpid(), can_signal_children(), self.spec, ctx, self.concurrency, self.timeout_s,
-            self.sys_path))
-        self.process.start()
-        there.close()  # the child has its copy; ours would keep the pipe from ever reaching end of file
-        self.conn = here
-        self.reader = threading.Thread(target=self._read, args=(here, self.process, self.gen), daemon=True,
-                                       name=f"rollout-reader-{self.index}")
+        self.send_raw(self.sys_path, (os.getpid(), can_signal_children(), self.spec, ctx, self.concurrency,
+                                      self.timeout_s, self.sys_path))
+        self.reader = threading.Thread(target=self._read, args=(self.conn, self.process, self.gen),
+                                       daemon=True, name=f"rollout-reader-{self.index}")
         self.reader.start()
 
-    def _read(self, conn: Any, process: Any, gen: int) -> None:
+    def send_raw(self, *items: Any) -> None:
+        try:
+            for item in items:
+                self.conn.send(item)
+        except OSError:  # it died at once; the reader reports how
+            pass
+
+    def _read(self, conn: Any, process: subprocess.Popen, gen: int) -> None:
         """Forward the worker's messages until its pipe ends or its process is gone, then say ``Lost``.
 
-        The sentinel matters when a child the worker forked still holds the pipe
-        open: the pipe never ends, but the process's death is still seen. The
-        reader is the only thread that waits for (reaps) the process.
+        The process's pidfd matters when a child the worker forked still holds
+        the pipe open: the pipe never ends, but the worker's death is still
+        seen. The reader is the only thread that waits for (reaps) the process.
         """
         reason = ""
+        pidfd = _pidfd(process.pid)
         try:
             while True:
-                if conn in wait([conn, process.sentinel]):
+                if conn in wait([conn] + ([pidfd] if pidfd is not None else [])):
                     self._post(gen, decode(conn.recv()))
                     continue
                 while conn.poll(0):  # dead: what it wrote before dying is all in the pipe already
@@ -150,6 +164,9 @@ class ProcessSlot(Slot):
             pass
         except Exception as exc:  # a message that does not unpickle here
             reason = f"unreadable message: {exc!r}"
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
         conn.close()
         self._post(gen, Lost(reason or _exit_reason(process)))
 
@@ -168,8 +185,8 @@ class ProcessSlot(Slot):
 
     def kill(self) -> None:
         super().kill()
-        if self.process is not None:
-            self.process.kill()  # the reader sees the sentinel, reaps it, and posts Lost (to a stale gen)
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()  # the reader sees the end, reaps it, and posts Lost (to a stale gen)
 
     def join(self, timeout: float) -> None:
         if self.reader is None:
@@ -180,16 +197,27 @@ class ProcessSlot(Slot):
             self.reader.join(_REAP_S)
 
 
-def _exit_reason(process: Any) -> str:
+# The worker's first moments use the standard library only: the parent's sys.path (the repository
+# may be on it by hand, not installed) arrives first and replaces the child's, as multiprocessing's
+# spawn does; then the arguments of runner.serve_process, which unpickle with it.
+_BOOT = ("import sys; from multiprocessing.connection import Connection; conn = Connection(int(sys.argv[1])); "
+         "sys.path[:] = conn.recv(); "
+         "from aflow_rl.rollout.runner import serve_process; serve_process(conn, *conn.recv())")
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process ``pid`` ends (Linux 5.3+), or None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _exit_reason(process: subprocess.Popen) -> str:
     """The process's exit, from its exit code (negative: the signal that ended it)."""
-    process.join(_REAP_S)
-    code = process.exitcode
-    for _ in range(20):  # another thread's waitpid (multiprocessing's own child cleanup) may have reaped it
-        if code is not None or process.is_alive():
-            break
-        time.sleep(0.01)
-        code = process.exitcode
-    if code is None:
+    try:
+        code = process.wait(_REAP_S)
+    except subprocess.TimeoutExpired:
         return "its pipe closed while the process still runs"
     if code < 0:
         try:
