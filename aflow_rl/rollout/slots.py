@@ -130,13 +130,13 @@ class ProcessSlot(Slot):
         ctx = dataclasses.replace(self.ctx, worker_index=self.index, state={})
         # can_signal_children() is read here, in the thread that forked: the kernel's parent-death
         # signal is tied to that thread (aflow_rl.procs).
-        self.send_raw(self.sys_path, (os.getpid(), can_signal_children(), self.spec, ctx, self.concurrency,
+        self._send_raw(self.sys_path, (os.getpid(), can_signal_children(), self.spec, ctx, self.concurrency,
                                       self.timeout_s, self.sys_path))
         self.reader = threading.Thread(target=self._read, args=(self.conn, self.process, self.gen),
                                        daemon=True, name=f"rollout-reader-{self.index}")
         self.reader.start()
 
-    def send_raw(self, *items: Any) -> None:
+    def _send_raw(self, *items: Any) -> None:
         try:
             for item in items:
                 self.conn.send(item)
@@ -224,7 +224,7 @@ def _exit_reason(process: subprocess.Popen) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    return f"exited with code {code}"
+    return f"exited with code {code}" + ("" if code == 0 else "; its traceback, if any, is on stderr above")
 
 
 class Switchboard:

@@ -167,6 +167,23 @@ def test_pool_runs_from_root_directory():
     assert result["out"] == [[f"e{i}", "ok"] for i in range(4)]
 
 
+def test_pool_runs_from_a_script_without_a_main_guard(tmp_path):
+    # Workers are fresh interpreters, not multiprocessing spawn children, which would re-run this
+    # script (and make a pool inside each worker) before serving.
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        from aflow_rl.config import RolloutConfig
+        from aflow_rl.rollout.pool import RolloutPool
+        with RolloutPool(RolloutConfig(workers=2, start_timeout_s=60.0), env={ASYNC!r}) as pool:
+            print(sorted(t.status for t in pool.run([{{"seed": i}} for i in range(4)])))
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines() == ["['ok', 'ok', 'ok', 'ok']"]
+
+
 # -- backends agree -------------------------------------------------------------------------------
 
 
