@@ -154,7 +154,7 @@ class RolloutPool:
                 raise ValueError(f"rollout.{name} must be at least 1, got {getattr(cfg, name)}")
         self.stats: dict[str, float] = _zero_stats()
         self.startup_s = 0.0
-        self.workers: list[_Worker] = []
+        self._workers: list[_Worker] = []
         self._events: queue.Queue = queue.Queue()
         self._board: Switchboard | None = None
         self._client: Any = None
@@ -169,7 +169,7 @@ class RolloutPool:
     @property
     def slots(self) -> list[Slot]:
         """The transports, one per worker (``slot.pid`` is the worker's process id once it is up)."""
-        return [w.slot for w in self.workers]
+        return [w.slot for w in self._workers]
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -184,10 +184,10 @@ class RolloutPool:
         t0 = time.perf_counter()
         self._started = True
         try:
-            self.workers = self._make_workers()
-            for w in self.workers:
+            self._workers = self._make_workers()
+            for w in self._workers:
                 self._start_worker(w)
-            while any(w.slot.state == STARTING for w in self.workers):
+            while any(w.slot.state == STARTING for w in self._workers):
                 self._step()
         except BaseException:
             self.close()
@@ -270,7 +270,7 @@ class RolloutPool:
         self._pending.clear()
         self._quarantine.clear()
         self._finished.clear()
-        for w in self.workers:
+        for w in self._workers:
             w.reserved = False
             if w.inflight and w.slot.state == READY:
                 w.slot.send(Cancel(list(w.inflight)))
@@ -281,7 +281,7 @@ class RolloutPool:
 
     def _dispatch(self) -> None:
         """Top up every ready worker; suspects of a crash run alone on an otherwise idle worker."""
-        ready = [w for w in self.workers if w.slot.state == READY and not w.tainted]
+        ready = [w for w in self._workers if w.slot.state == READY and not w.tainted]
         if self._quarantine:
             for w in ready:
                 if self._quarantine and not w.inflight:
@@ -317,8 +317,8 @@ class RolloutPool:
         ones it actually removed, so an episode never runs twice.
         """
         free = sum(max(0, w.concurrency - len(w.inflight)) for w in open_workers)
-        free -= sum(ep.stealing for w in self.workers for ep in w.inflight.values())
-        for victim in sorted(self.workers, key=lambda w: -len(w.inflight)):
+        free -= sum(ep.stealing for w in self._workers for ep in w.inflight.values())
+        for victim in sorted(self._workers, key=lambda w: -len(w.inflight)):
             if free <= 0:
                 return
             if victim.slot.state != READY or len(victim.inflight) <= victim.concurrency:
@@ -362,15 +362,15 @@ class RolloutPool:
     def _step(self) -> None:
         """Handle one event, or the deadline that comes first."""
         now = time.monotonic()
-        wake = min([_oldest(w).deadline for w in self.workers if w.inflight]
-                   + [w.start_deadline for w in self.workers if w.slot.state == STARTING]
-                   + [w.exited_at + _EOF_WAIT_S for w in self.workers if w.exited_at] + [now + 1.0])
+        wake = min([_oldest(w).deadline for w in self._workers if w.inflight]
+                   + [w.start_deadline for w in self._workers if w.slot.state == STARTING]
+                   + [w.exited_at + _EOF_WAIT_S for w in self._workers if w.exited_at] + [now + 1.0])
         try:
             index, gen, msg = self._events.get(timeout=max(0.0, wake - now))
         except queue.Empty:
             self._check_deadlines()
             return
-        w = self.workers[index]
+        w = self._workers[index]
         if gen == w.slot.gen and w.slot.state != DEAD:  # else: from a replaced generation
             self._handle(w, msg)
         self._check_deadlines()
@@ -444,7 +444,7 @@ class RolloutPool:
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
-        for w in self.workers:
+        for w in self._workers:
             if w.slot.state == READY and w.exited_at is not None and now > w.exited_at + _EOF_WAIT_S:
                 self._lost(w, "worker exited")  # no EOF: a forked child may hold the socket open
             if w.slot.state == STARTING and now > w.start_deadline:
