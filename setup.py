@@ -1,4 +1,4 @@
-"""aflow_rl: RL for LLM orchestrators with DeepSpeed and a joblib/loky worker pool (no Ray)."""
+"""aflow_rl: RL for LLM orchestrators with DeepSpeed and a worker process pool (no Ray)."""
 from setuptools import find_packages, setup
 
 setup(
@@ -18,7 +18,6 @@ setup(
         "tokenizers>=0.20",
         "safetensors>=0.4",
         "numpy>=1.24",
-        "joblib>=1.4",
         "pyyaml>=6.0",
         "tensorboard>=2.14",
         "httpx>=0.27",

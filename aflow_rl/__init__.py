@@ -1,2 +1,2 @@
-"""aflow_rl: reinforcement learning for LLM orchestrators (DeepSpeed + joblib/loky workers, no Ray)."""
+"""aflow_rl: reinforcement learning for LLM orchestrators (DeepSpeed + a pool of worker processes, no Ray)."""
 __version__ = "0.1.0"

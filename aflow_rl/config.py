@@ -108,7 +108,8 @@ class LLMConfig:
 @dataclass
 class RolloutConfig:
     backend: Literal["loky", "threading", "sequential", "dask"] = _f(
-        "loky", "joblib backend: loky (processes) | threading | sequential (debug) | dask (many machines).")
+        "loky", "Where episodes run: loky (local worker processes; the name is historical) | threading | "
+                "sequential (debug) | dask (many machines).")
     workers: int = _f(2, "Worker processes (or threads).")
     concurrency_per_worker: int = _f(16, "Episodes run at once inside one worker with asyncio.")
     episode_timeout_s: float = _f(300.0, "Wall-clock limit of one episode attempt.")

@@ -17,8 +17,8 @@ from the parent's pid, which the parent hands over:
 
 ``ServerManager`` sets the signal through ``preexec_fn`` (it also covers
 programs we do not own, like SGLang) and hands the embedded server its pid in
-``PARENT_PID_ENV`` for the watchdog. The loky pool workers do both in their
-executor's initializer, before they read their first call.
+``PARENT_PID_ENV`` for the watchdog. The pool's worker processes do both first
+thing (``rollout.runner.serve_process``), before they read their first message.
 """
 from __future__ import annotations
 

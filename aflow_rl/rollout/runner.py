@@ -1,15 +1,15 @@
 """Worker side of the rollout pool: load the worker module (``aflow_rl.envs.load_env``), run episodes, serve a link.
 
-This code runs wherever episodes run: in a loky worker process, in a dask
-worker, in a thread (threading backend) or in the caller (sequential). The
-parent side (``aflow_rl.rollout.pool``) hands it tasks over a *link* and gets
-back one ``("done", episode_id, result)`` message per task, where ``result``
-is the worker's Trajectory or an ``EpisodeError``.
+This code runs wherever episodes run: in a spawned worker process
+(``serve_process``), in a dask worker (``serve_remote``), in a thread
+(threading backend) or in the caller (sequential). The parent side
+(``aflow_rl.rollout.pool``) hands it tasks over a *link* and gets back one
+``Done(episode_id, result, started)`` per task, where ``result`` is the
+worker's Trajectory or an ``EpisodeError`` (messages: ``rollout.messages``).
 
-Why a long-lived serve loop rather than one joblib call per episode: a loky
-process runs one call at a time, so per-process asyncio concurrency (many
-episodes waiting on HTTP at once) needs one call that keeps an event loop
-alive and is fed episodes as earlier ones finish.
+A long-lived serve loop per process keeps one asyncio event loop alive, so
+many episodes of one process wait on HTTP at once and each finished one is
+replaced at once from the process's own queue.
 """
 from __future__ import annotations
 
@@ -23,34 +23,20 @@ import socket
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Client
 from typing import Any, Callable, Protocol
 
 from aflow_rl.config import ConfigError
 from aflow_rl.envs.loader import EnvModule, load_env
+from aflow_rl.procs import die_with_parent
+from aflow_rl.rollout.messages import (Cancel, Dial, Done, EpisodeError, Hello, Run, Started, Stop, Unqueue,
+                                       Unqueued, WorkerStartError, decode, encode)
 from aflow_rl.rollout.traces import TraceWriter, episode_scope
 from aflow_rl.rollout.types import Trajectory, WorkerContext
 
 _ERROR_CHARS = 4000  # keep the tail of a traceback: the exception line is at the end
 
-
-class WorkerStartError(RuntimeError):
-    """The worker module could not be imported or initialised (the message names it and sys.path)."""
-
-
-@dataclass
-class EpisodeError:
-    """What a worker reports instead of a Trajectory.
-
-    kind: ``failed`` (raised, or returned the wrong type) | ``timeout``.
-    stuck: a thread is still running this episode's sync code after its
-    timeout; the process should be recycled once its other episodes finish.
-    """
-
-    kind: str
-    error: str
-    stuck: bool = False
+__all__ = ["EpisodeError", "EpisodeRunner", "WorkerStartError", "get_runner", "serve", "serve_process", "serve_remote"]
 
 
 class Link(Protocol):
@@ -209,18 +195,14 @@ def get_runner(spec: str, ctx: WorkerContext) -> EpisodeRunner:
 
 
 async def serve(link: Link, runner: EpisodeRunner, concurrency: int, timeout_s: float) -> None:
-    """Run the episodes the pool sends until it says stop or goes away.
+    """Run the episodes the pool sends until it says ``Stop`` or goes away (messages: ``rollout.messages``).
 
-    Messages in: ``("run", [task, ...])``, ``("cancel", [episode_id, ...])``,
-    ``("unqueue", [episode_id, ...])``, ``("stop",)``. Up to ``concurrency``
-    episodes run at once; the pool may send more, which wait here in order
-    so that a finished episode's place is refilled without a round trip to
-    the pool (and which it may take back with ``unqueue`` while they wait).
-    Out: ``("started", [episode_id, ...])``, ``("unqueued", removed, asked)``
-    and ``("done", episode_id, result, started)`` where ``started`` lists the
-    waiting episodes its place went to.
-    A start is always reported before the episode's code runs, so after a
-    crash the pool knows exactly which episodes were running.
+    Up to ``concurrency`` episodes run at once; the pool may send more, which
+    wait here in order so that a finished episode's place is refilled without
+    a round trip to the pool (and which it may take back with ``Unqueue``
+    while they wait). A start is always reported (``Started``, or in the
+    ``Done`` of the episode whose place it took) before the episode's code
+    runs, so after a crash the pool knows exactly which episodes were running.
     """
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
@@ -235,7 +217,7 @@ async def serve(link: Link, runner: EpisodeRunner, concurrency: int, timeout_s: 
                 loop.call_soon_threadsafe(inbox.put_nowait, msg)
             except RuntimeError:  # loop closed
                 return
-            if msg is None or msg[0] == "stop":
+            if msg is None or isinstance(msg, Stop):
                 return
 
     threading.Thread(target=pump, daemon=True, name="rollout-link-reader").start()
@@ -260,81 +242,104 @@ async def serve(link: Link, runner: EpisodeRunner, concurrency: int, timeout_s: 
 
     while True:
         msg = await inbox.get()
-        if msg is None or msg[0] == "stop":
-            break
-        if msg[0] == "run":
-            waiting.extend(msg[1])
-        elif msg[0] == "unqueue":
-            asked = set(msg[1])
-            removed = [t["episode_id"] for t in waiting if t["episode_id"] in asked]
-            waiting = collections.deque(t for t in waiting if t["episode_id"] not in asked)
-            link.send(("unqueued", removed, msg[1]))
-        elif msg[0] == "cancel":
-            dropped = set(msg[1])
-            waiting = collections.deque(t for t in waiting if t["episode_id"] not in dropped)
-            for eid in dropped:
-                job = running.pop(eid, None)
-                if job is not None:
-                    job.cancel()
+        match msg:
+            case None | Stop():
+                break
+            case Run(tasks):
+                waiting.extend(tasks)
+            case Unqueue(asked):
+                removed = [t["episode_id"] for t in waiting if t["episode_id"] in set(asked)]
+                waiting = _without(waiting, removed)
+                link.send(Unqueued(removed, asked))
+            case Cancel(dropped):
+                waiting = _without(waiting, dropped)
+                for eid in dropped:
+                    job = running.pop(eid, None)
+                    if job is not None:
+                        job.cancel()
         started = fill()
         if started:
-            link.send(("started", started))
+            link.send(Started(started))
     for job in list(running.values()):
         job.cancel()
     if running:
         await asyncio.wait(list(running.values()), timeout=2.0)
 
 
+def _without(waiting: collections.deque, episode_ids: list[str]) -> collections.deque:
+    drop = set(episode_ids)
+    return collections.deque(t for t in waiting if t["episode_id"] not in drop)
+
+
 def _send_result(link: Link, eid: str, result: Any, started: list[str]) -> None:
     try:
-        link.send(("done", eid, result, started))
+        link.send(Done(eid, result, started))
     except (EOFError, OSError, BrokenPipeError):
         raise
     except Exception as exc:  # pickling failed before anything was written: the stream is intact
         error = EpisodeError("failed", f"result could not be sent to the pool: {exc!r}")
-        link.send(("done", eid, error, started))
+        link.send(Done(eid, error, started))
 
 
-class _ConnLink:
-    """A multiprocessing Connection as a Link (pickled messages over a socket)."""
+class ConnLink:
+    """A multiprocessing Connection as a Link (pickled messages over a pipe or socket)."""
 
     def __init__(self, conn: Any):
         self.conn = conn
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # episodes finish on the loop, Unqueued answers too: one writer at a time
 
     def recv(self) -> Any:
-        return self.conn.recv()
+        return decode(self.conn.recv())
 
     def send(self, msg: Any) -> None:
         with self.lock:
-            self.conn.send(msg)
+            self.conn.send(encode(msg))
 
 
-def serve_remote(address: Any, authkey: bytes, slot: int, gen: int, spec: str, ctx: WorkerContext,
-                 concurrency: int, timeout_s: float, sys_path: list[str]) -> dict:
-    """Entry point of a loky or dask slot: connect back, start the worker, serve until stopped.
+def serve_link(link: Link, spec: str, ctx: WorkerContext, concurrency: int, timeout_s: float,
+               sys_path: list[str]) -> dict:
+    """Start the worker, say ``Hello`` (with the start-up error, if any), serve until stopped.
 
-    The hello message carries the start-up error, if any, so the pool can
-    stop at once with the worker's own message (module, sys.path); the return
-    value repeats it for a pool that hears of the exit before the hello.
+    The hello carries the start-up error so the pool can stop at once with the
+    worker's own message (module, sys.path); the return value repeats it.
     """
     extend_sys_path(sys_path)
-    if threading.current_thread() is threading.main_thread():   # a loky process (not a dask thread)
-        # A terminal's Ctrl-C reaches the whole process group; the trainer stops its pool itself,
-        # and a worker torn down by the same signal mid-read only adds a traceback to its one line.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Client(address, authkey=authkey)
     info = {"pid": os.getpid(), "host": socket.gethostname(), "error": None}
     try:
         runner = get_runner(spec, ctx)
     except WorkerStartError as exc:
         info["error"] = str(exc)
-    conn.send(("hello", slot, gen, info))
+    link.send(Hello(info))
     try:
         if info["error"] is None:
-            asyncio.run(serve(_ConnLink(conn), runner, concurrency, timeout_s))
+            asyncio.run(serve(link, runner, concurrency, timeout_s))
     finally:
-        conn.close()
         with _RUNNERS_LOCK:  # this context copy was the slot's alone (a dask worker outlives its slots)
             _RUNNERS.pop((spec, id(ctx)), None)
     return info
+
+
+def serve_process(conn: Any, parent_pid: int, use_signal: bool, *args: Any) -> None:
+    """Entry point of a local worker process (``slots.ProcessSlot``): ``serve_link`` over its socket pair.
+
+    Set up first, before anything can hang: the process dies with the pool's
+    process even if that is killed with SIGKILL (``aflow_rl.procs``).
+    """
+    die_with_parent(parent_pid, use_signal)
+    # A terminal's Ctrl-C reaches the whole process group; the trainer stops its pool itself,
+    # and a worker torn down by the same signal mid-read only adds a traceback to its one line.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        serve_link(ConnLink(conn), *args)
+    finally:
+        conn.close()
+
+
+def serve_remote(address: Any, authkey: bytes, slot: int, gen: int, *args: Any) -> dict:
+    """Entry point of a dask slot: dial back to the pool's switchboard, then ``serve_link``."""
+    conn = Client(address, authkey=authkey)
+    try:
+        conn.send(encode(Dial(slot, gen)))
+        return serve_link(ConnLink(conn), *args)
+    finally:
+        conn.close()

@@ -167,6 +167,23 @@ def test_pool_runs_from_root_directory():
     assert result["out"] == [[f"e{i}", "ok"] for i in range(4)]
 
 
+def test_pool_runs_from_a_script_without_a_main_guard(tmp_path):
+    # Workers are fresh interpreters, not multiprocessing spawn children, which would re-run this
+    # script (and make a pool inside each worker) before serving.
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        from aflow_rl.config import RolloutConfig
+        from aflow_rl.rollout.pool import RolloutPool
+        with RolloutPool(RolloutConfig(workers=2, start_timeout_s=60.0), env={ASYNC!r}) as pool:
+            print(sorted(t.status for t in pool.run([{{"seed": i}} for i in range(4)])))
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines() == ["['ok', 'ok', 'ok', 'ok']"]
+
+
 # -- backends agree -------------------------------------------------------------------------------
 
 
@@ -276,7 +293,7 @@ def test_duplicate_episode_ids_are_refused():
 @pytest.mark.parametrize("starter", ["main", "helper"])
 def test_workers_die_with_a_killed_pool_owner(starter):
     """kill -9 of the process that owns the pool, while its workers' event loops are blocked in an
-    episode: the workers and loky's resource trackers go too. Started from the main thread, the kernel's
+    episode: the workers go too. Started from the main thread, the kernel's
     parent-death signal does it; from a helper thread (which has ended by then: the signal would have
     fired when it did, so it is not used) the workers' watchdog does."""
     import signal
@@ -316,7 +333,7 @@ def test_workers_die_with_a_killed_pool_owner(starter):
     procs = [psutil.Process(pid) for pid in report["pids"]]
     try:
         assert report["ok"] == ["ok", "ok", "same workers"]  # they outlived the thread that started them
-        assert len(procs) == 4  # two workers, loky's and multiprocessing's resource trackers
+        assert len(procs) == 2  # the two workers (they start no resource tracker)
         owner.send_signal(signal.SIGKILL)
         owner.wait()
         deadline = time.monotonic() + 5.0
