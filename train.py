@@ -184,7 +184,8 @@ class Learner:
             return time.perf_counter() - t0
         tol = 1e-2 if cfg.trainer.precision == "fp32" else 0.1
         asyncio.run(sync_weights(client, model_dir, version, probe_ids=probe_ids, expected_logprobs=expected,
-                                 tol=tol, timeout_s=cfg.trainer.sync_timeout_s))
+                                 tol=tol, timeout_s=cfg.trainer.sync_timeout_s,
+                                 inflight=cfg.trainer.sync_inflight, pause_mode=cfg.trainer.sync_pause_mode))
         return time.perf_counter() - t0
 
     def save(self, state) -> None:
