@@ -322,6 +322,14 @@ class Engine:
         """
         self._inbox.put(("update", model_path, weight_version, callback, abort_all))
 
+    def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: Optional[str],
+                                    callback: Callable[[bool, str], None], abort_all: bool = False) -> None:
+        """Copy ``named_tensors`` (state-dict names) into the served model, through the same queue and
+        swap point as :meth:`update_weights_from_disk` (/update_weights_from_distributed). All names
+        and shapes are checked before any copy, so a bad bucket leaves the weights untouched; a
+        ``weight_version`` of None keeps the current one (one bucket of several)."""
+        self._inbox.put(("update", list(named_tensors), weight_version, callback, abort_all))
+
     def load(self) -> dict:
         """Queue and batch sizes, for /get_server_info."""
         cache = self.prefix_cache
@@ -792,7 +800,9 @@ class Engine:
             except Exception:
                 log.exception("update callback failed")
 
-    def _swap_weights(self, model_path: str, version: Optional[str]) -> tuple[bool, str]:
+    def _swap_weights(self, model_path, version: Optional[str]) -> tuple[bool, str]:
+        if not isinstance(model_path, str):   # named tensors (update_weights_from_tensors)
+            return self._copy_tensors(model_path, version)
         t0 = time.perf_counter()
         try:
             new_model = load_model(model_path, self.dtype_name)
@@ -813,3 +823,22 @@ class Engine:
             self.weight_version = "1"
         return True, (f"Succeeded to update model weights from {model_path} in {time.perf_counter() - t0:.2f}s; "
                       f"weight_version={self.weight_version}.")
+
+    def _copy_tensors(self, named: list[tuple[str, torch.Tensor]], version: Optional[str]) -> tuple[bool, str]:
+        t0 = time.perf_counter()
+        state = self.model.state_dict(keep_vars=True)
+        for name, tensor in named:
+            if name not in state:
+                return False, f"Unknown parameter {name!r} for the served model; kept the old weights."
+            if tuple(state[name].shape) != tuple(tensor.shape):
+                return False, (f"Parameter {name!r} has shape {list(tensor.shape)}, the served model "
+                               f"{list(state[name].shape)}; kept the old weights.")
+        with torch.no_grad():
+            for name, tensor in named:
+                state[name].copy_(tensor)   # casts to the served dtype
+        if self.prefix_cache is not None:   # its KV was computed by the old weights
+            self.prefix_cache.flush()
+        if version is not None:
+            self.weight_version = str(version)
+        return True, (f"Succeeded to update parameter online ({len(named)} tensors in "
+                      f"{time.perf_counter() - t0:.3f}s); weight_version={self.weight_version}.")
