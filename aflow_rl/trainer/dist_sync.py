@@ -99,6 +99,12 @@ class DistributedSync:
         return cls(bucket_mb=tcfg.sync_bucket_mb, master_address=tcfg.sync_master_address,
                    master_port=tcfg.sync_master_port, backend=backend, timeout_s=tcfg.sync_timeout_s)
 
+    def close(self) -> None:
+        """Leave the group on this side (the servers drop theirs at the next trainer's connect)."""
+        if self.pg is not None:
+            destroy_update_group(self.pg)
+            self.pg, self.urls = None, []
+
     # ---- collective entry point --------------------------------------------------------------
 
     def push(self, engine_or_model: Any, client: Any, version: int) -> dict:
