@@ -150,11 +150,13 @@ class DistributedSync:
         await self._call_all(client, "/begin_weight_update", {}, deadline)
 
     async def _connect(self, client: Any, deadline: float) -> None:
-        """Join the servers into a new group (a stale one of the same name, left by an earlier
-        trainer process, is destroyed first)."""
+        """Join the servers into a new group. What an earlier trainer process may have left is
+        cleared first: a weight-update session it never ended (SGLang refuses a second
+        ``/begin_weight_update``) and a group of the same name."""
         urls = list(client.urls)
-        await asyncio.gather(*(self._post(client, u, "/destroy_weights_update_group", {"group_name": self.group_name},
-                                          deadline, check=False) for u in urls))
+        for path, payload in (("/end_weight_update", {}), ("/destroy_weights_update_group",
+                                                           {"group_name": self.group_name})):
+            await asyncio.gather(*(self._post(client, u, path, payload, deadline, check=False) for u in urls))
         tp = [await self._tp_size(client, u, deadline) for u in urls]
         world = 1 + sum(tp)
         port = self.master_port or free_port(self.master_address)

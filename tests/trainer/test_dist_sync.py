@@ -97,6 +97,14 @@ def test_server_refusing_a_bucket_fails_at_once(server, tiny_model_dir_b):
         assert time.monotonic() - t0 < 10.0
     finally:
         sync.close()
+    # A restarted trainer: its connect ends the session the refused sync left open and replaces the group.
+    del model.extra_head
+    again = DistributedSync(bucket_mb=0.05, timeout_s=60.0, group_name="refuse_test")
+    try:
+        again.push(model, client, 8)
+        asyncio.run(verify_servers(client, 8, probe_ids=PROBE, expected_logprobs=probe_logprobs(model), tol=1e-4))
+    finally:
+        again.close()
 
 
 def test_server_that_never_answers_fails_within_the_timeout():
@@ -169,3 +177,31 @@ def test_zero3_two_ranks_gather_bucket_by_bucket(server, tiny_model_dir_b, tmp_p
     assert res["served_version"] == "11"
     assert res["total_numel"] > res["max_gathered_numel"] > 0   # never all at once
     assert res["max_gathered_numel"] <= res["largest_bucket_numel"]
+
+
+def test_embedded_routes_answer_like_sglang(server):
+    """SGLang's {success, message} replies (400 on failure) for the misuses a trainer can make."""
+    import httpx
+
+    url = server[0]
+
+    def post(path, body=None):
+        r = httpx.post(url + path, json=body or {}, timeout=30, trust_env=False)
+        return r.status_code, r.json()
+
+    post("/end_weight_update")   # a session an earlier test's refused sync left open (as a dead trainer would)
+
+    code, body = post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29999,
+                                                     "rank_offset": 1, "world_size": 2})   # SGLang's default: nccl
+    assert code == 400 and body["success"] is False and "use backend gloo" in body["message"]
+    assert set(body) == {"success", "message"}
+    code, body = post("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["float32"],
+                                                           "shapes": [[1024, 64]], "group_name": "nope"})
+    assert code == 400 and "Please call `init_weights_update_group` first" in body["message"]
+    assert post("/end_weight_update") == (400, {"success": False, "message": "no weight-update session is open; "
+                                                                            "call begin_weight_update() first"})
+    assert post("/begin_weight_update") == (200, {"success": True, "message": "Success"})
+    assert post("/begin_weight_update")[0] == 400
+    assert post("/end_weight_update") == (200, {"success": True, "message": "Success"})
+    assert post("/destroy_weights_update_group", {"group_name": "nope"}) == (
+        400, {"success": False, "message": "The group to be destroyed does not exist."})
