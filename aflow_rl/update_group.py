@@ -35,16 +35,18 @@ def init_update_group(master_address: str, master_port: int, rank: int, world_si
                       backend: str = "gloo", timeout_s: float = 300.0) -> Any:
     """Join (rank 0: create) the group; blocks until all ``world_size`` ranks joined or
     ``timeout_s`` passed. Returns the process group for :func:`broadcast_async`."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     if not group_name:
         raise ValueError("group_name must not be empty")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group of {world_size}")
     timeout = datetime.timedelta(seconds=float(timeout_s))
-    host = f"[{master_address}]" if ":" in master_address else master_address
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{int(master_port)}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store a tcp:// rendezvous makes (rank 0 hosts it), built directly: under torchrun the
+    # rendezvous would instead expect torchrun's agent to host it (TORCHELASTIC_USE_AGENT_STORE),
+    # and trainer rank 0 would wait as a client for a store nobody serves.
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
+                          multi_tenant=True)
     store = PrefixStore(group_name, store)
     # torch has no public call for a group outside the default one; this private helper is
     # what SGLang, verl and slime all use for it (so both ends agree on the store layout).

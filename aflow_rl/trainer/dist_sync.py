@@ -213,7 +213,7 @@ class DistributedSync:
                     silent = [u for u, t in zip(urls, posts) if not t.done()]
                     raise WeightSyncError(
                         f"weight sync: could not {what} within trainer.sync_timeout_s={self.timeout_s:g} s "
-                        f"(no answer from {silent or 'none'}{'' if local_done() else '; the broadcast is unfinished'});"
+                        f"(no answer from {silent or 'none'}{'' if local_done() else '; the trainer side is unfinished too'});"
                         " check those servers' logs, or raise trainer.sync_timeout_s for large models")
                 await asyncio.sleep(_POLL_S)
         finally:
