@@ -77,6 +77,7 @@ def add_distributed_routes(app: FastAPI, srv: Any, timeout_s: float) -> None:
     """The five routes above; ``timeout_s`` bounds every rendezvous and broadcast of a group."""
     engine = srv.engine
     groups: dict[str, Any] = {}
+    joining: set[str] = set()   # groups whose rendezvous is under way
     session = {"open": False}
     lock = asyncio.Lock()    # one group operation at a time: broadcasts must not interleave
 
@@ -94,14 +95,17 @@ def add_distributed_routes(app: FastAPI, srv: Any, timeout_s: float) -> None:
         if backend != "gloo":
             return _reply(False, f"backend {backend!r} is not available on the embedded (CPU) server: "
                                  "use backend gloo (trainer.sync_backend=gloo)")
-        if group in groups:
+        if group in groups or group in joining:
             return _reply(False, f"group {group!r} already exists; destroy it first")
-        async with lock:
-            try:
-                groups[group] = await in_daemon_thread(init_update_group, address, port, rank, world, group,
-                                                 "gloo", timeout_s)
-            except Exception as exc:
-                return _reply(False, f"Failed to initialize custom process group: {exc}.")
+        # Not under the broadcast lock: a rendezvous whose trainer died must not hold up the next one.
+        joining.add(group)
+        try:
+            groups[group] = await in_daemon_thread(init_update_group, address, port, rank, world, group,
+                                                   "gloo", timeout_s)
+        except Exception as exc:
+            return _reply(False, f"Failed to initialize custom process group: {exc}.")
+        finally:
+            joining.discard(group)
         return _reply(True, "Succeeded to initialize custom process group.")
 
     @app.post("/update_weights_from_distributed")
