@@ -205,3 +205,23 @@ def test_embedded_routes_answer_like_sglang(server):
     assert post("/end_weight_update") == (200, {"success": True, "message": "Success"})
     assert post("/destroy_weights_update_group", {"group_name": "nope"}) == (
         400, {"success": False, "message": "The group to be destroyed does not exist."})
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["trainer.sync=nfs"], "trainer.sync"),
+    (["trainer.sync=distributed", "trainer.sync_bucket_mb=0"], "sync_bucket_mb: must be positive"),
+    (["trainer.sync=distributed", "trainer.sync_master_port=70000"], "is not a port"),
+    (["trainer.sync=distributed", "trainer.sync_backend=nccl", "serving.policy.backend=embedded"],
+     "embedded policy server runs on CPU and joins over gloo"),
+])
+def test_config_refuses_unworkable_sync_settings(overrides, match):
+    from aflow_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_backend_auto_is_gloo_for_the_embedded_server():
+    cfg = load_config(None, ["trainer.sync=distributed", "serving.policy.backend=embedded"])
+    assert DistributedSync.from_config(cfg.trainer, "embedded").backend == "gloo"
+    assert cfg.trainer.sync == "distributed" and load_config(None, []).trainer.sync == "disk"
