@@ -87,14 +87,14 @@ def test_server_refusing_a_bucket_fails_at_once(server, tiny_model_dir_b):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir_b, dtype=torch.float32)
     model.extra_head = torch.nn.Linear(4, 4)   # not in the served model
     client = SGLangClient(server, timeout_s=30.0, max_retries=0)
-    sync = DistributedSync(bucket_mb=0.05, timeout_s=20.0, group_name="refuse_test")
+    sync = DistributedSync(bucket_mb=0.05, timeout_s=8.0, group_name="refuse_test")
     t0 = time.monotonic()
     try:
         with pytest.raises(WeightSyncError, match=r"update_weights_from_distributed refused.*unknown parameter "
                                                   r"'extra_head\.weight'") as err:
             sync.push(model, client, 7)
         assert server[0] in str(err.value)
-        assert time.monotonic() - t0 < 10.0
+        assert time.monotonic() - t0 < 6.0   # well before the 8 s timeout: the refusal, not the deadline
     finally:
         sync.close()
     # A restarted trainer: its connect ends the session the refused sync left open and replaces the group.
