@@ -168,12 +168,20 @@ class Learner:
         rank 0 (``client`` not None) pushes them and verifies the servers. Returns seconds."""
         import torch
 
-        from aflow_rl.serving.weight_sync import sync_weights
+        from aflow_rl.serving.weight_sync import sync_weights, verify_servers
         from aflow_rl.trainer.weights import export_hf
 
         t0 = time.perf_counter()
         engine, tokenizer, cfg = self.engine, self.tokenizer, self.cfg
-        model_dir = export_hf(engine, tokenizer, os.path.join(cfg.run_dir, "sync", "policy"))
+        distributed = cfg.trainer.sync == "distributed"
+        if distributed:   # collective: every rank gathers the ZeRO-3 buckets, rank 0 broadcasts them
+            from aflow_rl.trainer.dist_sync import DistributedSync
+
+            if getattr(self, "dist_sync", None) is None:
+                self.dist_sync = DistributedSync.from_config(cfg.trainer, cfg.serving.policy.backend)
+            self.dist_sync.push(engine, client if client is not None and client.urls else None, version)
+        else:
+            model_dir = export_hf(engine, tokenizer, os.path.join(cfg.run_dir, "sync", "policy"))
         # Probe: the trainer's own logprobs of a fixed prompt; the servers must reproduce them.
         probe_ids = tokenizer.encode('{"action": "finish", "answer": "probe"}', add_special_tokens=False)[:16]
         with torch.no_grad():
@@ -183,9 +191,13 @@ class Learner:
         if client is None or not client.urls:
             return time.perf_counter() - t0
         tol = 1e-2 if cfg.trainer.precision == "fp32" else 0.1
-        asyncio.run(sync_weights(client, model_dir, version, probe_ids=probe_ids, expected_logprobs=expected,
-                                 tol=tol, timeout_s=cfg.trainer.sync_timeout_s,
-                                 inflight=cfg.trainer.sync_inflight, pause_mode=cfg.trainer.sync_pause_mode))
+        if distributed:
+            asyncio.run(verify_servers(client, version, probe_ids=probe_ids, expected_logprobs=expected, tol=tol,
+                                       timeout_s=cfg.trainer.sync_timeout_s))
+        else:
+            asyncio.run(sync_weights(client, model_dir, version, probe_ids=probe_ids, expected_logprobs=expected,
+                                     tol=tol, timeout_s=cfg.trainer.sync_timeout_s,
+                                     inflight=cfg.trainer.sync_inflight, pause_mode=cfg.trainer.sync_pause_mode))
         return time.perf_counter() - t0
 
     def save(self, state) -> None:

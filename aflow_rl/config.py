@@ -256,6 +256,11 @@ class TrainerConfig:
     sync_timeout_s: float = _f(120.0, "Seconds a weight sync may take before it is an error.")
     sync_inflight: bool = _f(False, "Update the servers' weights without waiting for running requests: /pause_generation -> update -> /continue_generation (continue on every failure too); a turn running across the update finishes under the new weights and reports the new weight_version. false: the update waits until running requests finish.")
     sync_pause_mode: Literal["in_place", "retract"] = _f("in_place", "With sync_inflight, SGLang's pause mode: in_place (running requests keep their KV) | retract (their KV is recomputed under the new weights); not abort, which would drop every running episode. Real SGLang 0.5.x cannot flush its radix cache with requests paused in place, so the update fails loudly there: use retract with real SGLang.")
+    sync: Literal["disk", "distributed"] = _f("disk", "How weights reach the policy servers: disk (a Hugging Face directory, /update_weights_from_disk) | distributed (SGLang's /update_weights_from_distributed: rank 0 broadcasts them in buckets over a torch.distributed group; docs/multinode.md).")
+    sync_bucket_mb: float = _f(512.0, "sync=distributed: megabytes of parameters per broadcast bucket (under ZeRO-3 also the most gathered at once).")
+    sync_backend: Literal["auto", "gloo", "nccl"] = _f("auto", "sync=distributed: group backend; auto = nccl when CUDA is available and the policy servers are SGLang, else gloo (the embedded server needs gloo).")
+    sync_master_address: str = _f("127.0.0.1", "sync=distributed: address of trainer rank 0 that every policy server can reach (it hosts the group's rendezvous).")
+    sync_master_port: int = _f(0, "sync=distributed: rendezvous port on sync_master_address; 0 picks a free one.")
     max_failed_step_retries: int = _f(2, "Rollouts of a step run again when every episode failed (a dead server, a broken worker); then the run stops with the episodes' error, without a checkpoint.")
     checkpoint_check: Literal["sha256", "size"] = _f("sha256", "How checkpoints are verified before resuming: sha256 (manifest hashes, reads every byte) | size (file sizes only, for very large checkpoints).")
 
@@ -541,9 +546,23 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"serving.{role}.urls: the external backend needs at least one URL")
         if server.num_servers < 1:
             raise ConfigError(f"serving.{role}.num_servers: must be at least 1")
+    _validate_sync(cfg)
     if cfg.rollout.backend == "dask" and not cfg.rollout.dask_address:
         raise ConfigError("rollout.dask_address: the dask backend needs a scheduler address (tcp://host:8786)")
     _validate_env_name(cfg.env.name)
+
+
+def _validate_sync(cfg: Config) -> None:
+    t = cfg.trainer
+    if t.sync != "distributed":
+        return
+    if t.sync_bucket_mb <= 0:
+        raise ConfigError(f"trainer.sync_bucket_mb: must be positive, got {t.sync_bucket_mb:g} (try 512)")
+    if not 0 <= t.sync_master_port <= 65535:
+        raise ConfigError(f"trainer.sync_master_port: {t.sync_master_port} is not a port (0 picks a free one)")
+    if t.sync_backend == "nccl" and cfg.serving.policy.backend == "embedded":
+        raise ConfigError("trainer.sync_backend=nccl: the embedded policy server runs on CPU and joins over gloo; "
+                          "set trainer.sync_backend=gloo (or auto)")
 
 
 # Integer keys below which a run trains nothing or crashes mid-way: (minimum, what to do instead).

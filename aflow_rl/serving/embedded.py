@@ -11,8 +11,9 @@ once it can serve (503 if the engine thread has died). Routes, with SGLang's JSO
 shapes: ``/generate`` (single or batched, ``text`` or ``input_ids``), ``/health``,
 ``/health_generate``, ``/get_model_info``, ``/get_server_info``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/abort_request``,
-``/pause_generation``, ``/continue_generation``, and the OpenAI-compatible
-``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+``/pause_generation``, ``/continue_generation``, the distributed weight sync
+(``/init_weights_update_group`` and the rest: serving/dist_routes.py), and the
+OpenAI-compatible ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
 Bad input gets HTTP 400 with ``{"error": {"message", "type", "code"}}`` (413 for a body
 over the limit). Request checks follow SGLang (serving/contract.py); limits and API keys
 are in serving/guard.py; docs/security.md says what the server exposes.
@@ -44,6 +45,7 @@ from aflow_rl.serving.generation import (PAUSE_MODES, Engine, GenerateRequest, G
 from aflow_rl.serving.contract import (MAX_STOP_COUNT, ContractError, as_bool, as_float, as_int,
                                       check_generate_fields, check_sampling_keys, fail, stop_regexes, str_list,
                                       top_k)
+from aflow_rl.serving.dist_routes import add_distributed_routes
 from aflow_rl.serving.grammar import GrammarError, spec_from_params
 from aflow_rl.serving.guard import ApiKeyMiddleware, BadBody, Limits, TooLarge, prompt_bytes_bound, read_json_body
 from aflow_rl.serving import streaming
@@ -650,7 +652,8 @@ async def _completion_requests(srv: _Server, body: dict) -> tuple[list[GenerateR
 
 def create_app(model_path: str, *, served_model_name: Optional[str] = None, host: str = "127.0.0.1",
                port: int = 0, engine: Optional[Engine] = None, limits: Limits = Limits(),
-               api_key: Optional[str] = None, admin_api_key: Optional[str] = None, **engine_kwargs) -> FastAPI:
+               api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
+               weights_update_timeout_s: float = 300.0, **engine_kwargs) -> FastAPI:
     """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
 
     ``engine_kwargs`` go to :class:`~aflow_rl.serving.generation.Engine` (``dtype``,
@@ -676,6 +679,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
     _add_error_handlers(app)
     _add_info_routes(app, srv, model_path)
     _add_admin_routes(app, srv)
+    add_distributed_routes(app, srv, weights_update_timeout_s)   # SGLang's distributed weight sync
     _add_generate_route(app, srv)
     _add_openai_routes(app, srv)
     return app
@@ -716,6 +720,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"key for /update_weights_from_disk, /flush_cache, /abort_request, /pause_generation, "
                          f"/continue_generation (default "
                          f"${ADMIN_API_KEY_ENV}; unset: --api-key guards them)")
+    ap.add_argument("--weights-update-timeout", type=float, default=300.0,
+                    help="seconds a rendezvous or broadcast of /init_weights_update_group's group may wait "
+                         "for the trainer before it fails")
     d = Limits()
     ap.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="largest request body (413 over)")
     ap.add_argument("--max-batch-prompts", type=int, default=d.max_batch_prompts, help="most prompts per request")
@@ -760,7 +767,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                      limits=limits, api_key=args.api_key, admin_api_key=args.admin_api_key, dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
                      threads=args.threads, json_any_whitespace=args.json_any_whitespace,
                      random_seed=args.random_seed, prefix_cache=not args.disable_radix_cache,
-                     prefill_chunk=args.prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens)
+                     prefill_chunk=args.prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
+                     weights_update_timeout_s=args.weights_update_timeout)
     # uvicorn's own logs stay at warning: an access line per request would cost throughput.
     uvicorn.run(app, host=args.host, port=args.port, log_level="debug" if args.log_level == "debug" else "warning",
                 access_log=False, timeout_graceful_shutdown=5, http=args.http_impl, loop=args.loop)

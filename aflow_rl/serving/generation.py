@@ -334,7 +334,7 @@ class Engine:
 
     def update_weights(self, load: Callable[[], Any], weight_version: Optional[str],
                        callback: Callable[[bool, str], None], *, abort_all: bool = False,
-                       source: str = "new weights") -> None:
+                       source: str = "new weights", keep_version: bool = False) -> None:
         """Serve the weights ``load()`` returns (a model or a state dict, see :meth:`swap_weights`).
 
         ``load`` runs on the engine thread when the update is applied: once the running batch
@@ -342,7 +342,7 @@ class Engine:
         or at once, between two decode steps, while the engine is paused (:meth:`pause`).
         ``callback(success, message)`` runs on the engine thread.
         """
-        self._inbox.put(("update", load, weight_version, callback, abort_all, source))
+        self._inbox.put(("update", load, weight_version, callback, abort_all, source, keep_version))
 
     def pause(self, mode: str, callback: Callable[[], None]) -> None:
         """Stop running forwards between two decode steps (SGLang's ``/pause_generation``).
@@ -364,6 +364,16 @@ class Engine:
     def paused(self) -> Optional[str]:
         """The mode of the pause in force, or None while generating."""
         return self._paused
+
+    def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: Optional[str],
+                                    callback: Callable[[bool, str], None], abort_all: bool = False) -> None:
+        """Copy ``named_tensors`` (state-dict names) into the served model, through the same queue and
+        swap point as :meth:`update_weights_from_disk` (/update_weights_from_distributed). All names
+        and shapes are checked before any copy, so a bad bucket leaves the weights untouched; a
+        ``weight_version`` of None keeps the current one (one bucket of several)."""
+        state = dict(named_tensors)
+        self.update_weights(lambda: state, weight_version, callback, abort_all=abort_all,
+                            source="update_weights_from_distributed", keep_version=weight_version is None)
 
     def load(self) -> dict:
         """Queue and batch sizes, for /get_server_info."""
@@ -880,28 +890,29 @@ class Engine:
 
     def _apply_updates(self) -> None:
         while self._updates:
-            load, version, callback, _, source = self._updates.pop(0)
+            load, version, callback, _, source, keep_version = self._updates.pop(0)
             try:
                 weights = load()
             except Exception as exc:
                 ok, message = False, f"Failed to load weights from {source}: {type(exc).__name__}: {exc}"
             else:
-                ok, message = self.swap_weights(weights, version, source)
+                ok, message = self.swap_weights(weights, version, source, keep_version=keep_version)
             try:
                 callback(ok, message)
             except Exception:
                 log.exception("update callback failed")
 
     def swap_weights(self, weights: Any, version: Optional[str] = None,
-                     source: str = "new weights") -> tuple[bool, str]:
+                     source: str = "new weights", keep_version: bool = False) -> tuple[bool, str]:
         """Serve ``weights`` from the next forward on: ``(success, message)``. Engine thread only.
 
         ``weights`` is a model (it replaces the served one; its config must match) or a state
         dict (its tensors are copied into the served model; every name must exist with its
         shape, and a subset is allowed). A mismatch changes nothing. On success the prefix cache
         is emptied (its KV came from the old weights) and ``weight_version`` becomes ``version``
-        (or the next integer). Running sequences keep their KV: the update hooks
-        (:meth:`update_weights`) call this only with the batch drained or the engine paused.
+        (or the next integer; with ``keep_version`` it stays: one bucket of several). Running
+        sequences keep their KV: the update hooks (:meth:`update_weights`) call this only with the
+        batch drained or the engine paused.
         """
         t0 = time.perf_counter()
         if isinstance(weights, torch.nn.Module):
@@ -918,6 +929,8 @@ class Engine:
             self.prefix_cache.flush()
         if version is not None:
             self.weight_version = str(version)
+        elif keep_version:
+            pass
         elif self.weight_version.isdigit():
             self.weight_version = str(int(self.weight_version) + 1)
         else:
@@ -930,9 +943,9 @@ class Engine:
         if not isinstance(state, dict) or not state:
             return f"expected a model or a non-empty state dict, got {type(state).__name__}"
         own = self.model.state_dict()
-        unknown = sorted(set(state) - set(own))
+        unknown = [name for name in state if name not in own]   # in the sender's order
         if unknown:
-            return f"unexpected tensors {unknown[:3]}"
+            return f"unexpected tensors: unknown parameter {unknown[0]!r}" + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else "")
         for name, t in state.items():       # check everything before changing anything
             if tuple(t.shape) != tuple(own[name].shape):
                 return f"{name}: shape {tuple(t.shape)} != {tuple(own[name].shape)}"

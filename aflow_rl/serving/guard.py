@@ -85,7 +85,8 @@ async def read_json_body(request: Request, max_bytes: int) -> dict:
 # ---- API keys (SGLang's rules) ---------------------------------------------------------------------------
 
 ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/flush_cache", "/abort_request", "/pause_generation",
-                         "/continue_generation"})
+                         "/continue_generation", "/init_weights_update_group", "/update_weights_from_distributed",
+                         "/begin_weight_update", "/end_weight_update", "/destroy_weights_update_group"})
 
 
 def _bearer_ok(header: Optional[str], expected: str) -> bool:

@@ -2,7 +2,9 @@
 
 After the trainer writes a Hugging Face directory, every policy server loads
 it with ``/update_weights_from_disk`` (SGLang's route; the embedded server
-speaks it too). A sync is only done when each server
+speaks it too); with ``trainer.sync=distributed`` the weights travel over a
+torch.distributed group instead (aflow_rl/trainer/dist_sync.py). Either way a
+sync is only done when each server
 
 1. answered ``success: true``,
 2. reports the new ``weight_version`` on a probe generation, and
@@ -144,7 +146,16 @@ async def sync_weights(client: SGLangClient, model_dir: str, version: int, *, pr
     else:
         await _update(client, model_dir, version, timeout_s)
     t_update = time.monotonic() - t0
+    mismatch = await verify_servers(client, version, probe_ids=probe_ids, expected_logprobs=expected_logprobs,
+                                    tol=tol, timeout_s=timeout_s)
+    return {"update_s": t_update, "total_s": time.monotonic() - t0, "probe_mismatch": mismatch}
 
+
+async def verify_servers(client: SGLangClient, version: int, *, probe_ids: list[int],
+                         expected_logprobs: np.ndarray | None = None, tol: float = 1e-2,
+                         timeout_s: float = 120.0) -> float:
+    """Checks 2 and 3 above on every server of ``client`` (after either sync method); returns
+    the largest mean |Δ logprob| on the probe."""
     mismatch = 0.0
     for url in client.urls:
         try:
@@ -163,4 +174,4 @@ async def sync_weights(client: SGLangClient, model_dir: str, version: int, *, pr
                 raise WeightSyncError(f"{url} serves weights that disagree with the trainer's "
                                       f"(mean |Δ logprob| {diff:.3g} > {tol:g} on the probe prompt)")
             mismatch = max(mismatch, diff)
-    return {"update_s": t_update, "total_s": time.monotonic() - t0, "probe_mismatch": mismatch}
+    return mismatch
