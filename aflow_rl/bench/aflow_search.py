@@ -227,12 +227,12 @@ def anchor_stats(run_dir: str) -> dict:
 
 
 def _proposer(cfg: Any, client: Any, tokenizer: Any) -> Any:
-    from aflow_rl.envs.aflow.graph import workflow_schema
+    from aflow_rl.envs.aflow.graph import proposal_schema
     from aflow_rl.envs.aflow.optimizer import PolicyProposer
 
     a = cfg.env.aflow
     return PolicyProposer(client, tokenizer, temperature=cfg.env.temperature, max_new_tokens=cfg.env.max_new_tokens,
-                          schema=workflow_schema(a.max_nodes, a.max_samples, a.max_loop_rounds))
+                          schema=proposal_schema(a))
 
 
 async def _run_all(cfg: Any, urls: dict, trained_url: str | None, trained_path: str | None, seeds: list[int],
