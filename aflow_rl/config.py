@@ -191,6 +191,8 @@ class AflowConfig:
     max_samples: int = _f(5, "Complexity limit: most samples of a generator node, candidates of an ensemble, MdEnsemble votes.")
     max_loop_rounds: int = _f(3, "Complexity limit: most Revise max_rounds, Test max_fixes, Programmer attempts.")
     code_timeout_s: float = _f(10.0, "Sandbox wall-clock limit of one Programmer/Test code run.")
+    instructions: list[str] = _f([], "Grammar narrowing: when non-empty, every instruction the optimizer proposes is one of these strings (\"\" for none) instead of free text, so a small policy proposes structures, not random prompt text. Empty: free text.")
+    temperatures: list[float] = _f([], "Grammar narrowing: when non-empty, a node's proposed temperature is one of these values instead of any number in [0, 2]. Empty: any.")
     episode_rounds: int = _f(1, "Training: optimisation rounds per episode (propose -> evaluate -> propose from the result); > 1 gives GiGPO anchor-state groups.")
     scoring: Literal["default", "aflow"] = _f("default", "Benchmark verdicts: default (complete number/LaTeX reading) | aflow (AFlow's own scorers, comparable with its published table); docs/scoring.md.")
 

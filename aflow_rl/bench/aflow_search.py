@@ -1,7 +1,8 @@
 """Does search make a better workflow? IO vs plain AFlow vs RL-guided MCTS vs a trained optimizer, on held-out test.
 
     python -m aflow_rl.bench.aflow_search [--config configs/aflow_smol.yaml] [--seeds 0 1 2] [--rounds 5]
-        [--checkpoint HF_DIR | --train-steps K] [--out DIR] [--json PATH] [--smoke] [key=value ...]
+        [--checkpoint HF_DIR | --train-steps K] [--methods io aflow mcts trained] [--out DIR] [--json PATH]
+        [--smoke] [key=value ...]
 
 For each seed s the problems of ``env.aflow`` are split with ``split_seed + s`` (a different
 validation/test split per seed, so the spread includes the choice of problems), then:
@@ -14,6 +15,9 @@ validation/test split per seed, so the spread includes the choice of problems), 
 * ``trained``: ``mcts`` with the optimizer policy trained by ``python train.py CONFIG`` (``--checkpoint``
   names its HF export, e.g. ``runs/aflow_smol/checkpoints/step_20/hf``; ``--train-steps K`` runs that
   training first, K steps, under ``OUT/train``, and reports its GiGPO anchor-group fractions).
+
+``--methods`` runs a subset (``io`` always runs: every row is read against it), e.g. the frozen
+methods while the optimizer trains, then ``--methods trained --checkpoint ...`` when it is done.
 
 A workflow's result on one problem is cached by (workflow hash, problem id) for the whole bench: the
 executor answers at temperature 0 unless a node samples, so a repeat would spend CPU for the same
@@ -227,16 +231,16 @@ def anchor_stats(run_dir: str) -> dict:
 
 
 def _proposer(cfg: Any, client: Any, tokenizer: Any) -> Any:
-    from aflow_rl.envs.aflow.graph import workflow_schema
+    from aflow_rl.envs.aflow.graph import proposal_schema
     from aflow_rl.envs.aflow.optimizer import PolicyProposer
 
     a = cfg.env.aflow
     return PolicyProposer(client, tokenizer, temperature=cfg.env.temperature, max_new_tokens=cfg.env.max_new_tokens,
-                          schema=workflow_schema(a.max_nodes, a.max_samples, a.max_loop_rounds))
+                          schema=proposal_schema(a))
 
 
 async def _run_all(cfg: Any, urls: dict, trained_url: str | None, trained_path: str | None, seeds: list[int],
-                   rounds: int, out: str) -> tuple[dict, int]:
+                   rounds: int, out: str, methods: list[str] | tuple = METHODS) -> tuple[dict, int]:
     from transformers import AutoTokenizer
 
     from aflow_rl.llm import make_client
@@ -248,6 +252,7 @@ async def _run_all(cfg: Any, urls: dict, trained_url: str | None, trained_path: 
     if trained_url:
         clients["trained"] = make_client(cfg.llm.policy, [trained_url], role="policy")
         proposers["trained"] = _proposer(cfg, clients["trained"], AutoTokenizer.from_pretrained(trained_path))
+    proposers = {m: p for m, p in proposers.items() if m in methods}
     evaluator = CachedEvaluator(cfg.env.aflow, actor)
     try:
         per_seed = {s: await run_seed(cfg, s, rounds, evaluator, proposers, out) for s in seeds}
@@ -272,7 +277,7 @@ def summarize(per_seed: dict) -> dict:
 
 
 def run_bench(config: str, overrides: list[str], seeds: list[int], rounds: int, out: str,
-              checkpoint: str = "", train_steps: int = 0) -> dict:
+              checkpoint: str = "", train_steps: int = 0, methods: list[str] | tuple = METHODS) -> dict:
     """The whole bench (module docstring); returns the JSON-able result."""
     from aflow_rl.bench.serving import start_server, stop_server
     from aflow_rl.config import load_config
@@ -282,7 +287,7 @@ def run_bench(config: str, overrides: list[str], seeds: list[int], rounds: int, 
     load_1m = round(os.getloadavg()[0], 2)
     t0 = time.perf_counter()
     train = {}
-    if train_steps:
+    if train_steps and "trained" in methods:
         checkpoint = train_optimizer(config, overrides, train_steps, os.path.join(out, "train"))
         train = {"steps": train_steps, "checkpoint": checkpoint, "seconds": time.perf_counter() - t0,
                  **anchor_stats(os.path.join(out, "train"))}
@@ -291,9 +296,10 @@ def run_bench(config: str, overrides: list[str], seeds: list[int], rounds: int, 
     try:
         with ServerManager(cfg.serving, out, roles=("policy", "actor")) as servers:
             url = None
-            if checkpoint:
+            if checkpoint and "trained" in methods:
                 trained, url = start_server(checkpoint, None, os.path.join(out, "trained_server.log"))
-            per_seed, fresh = asyncio.run(_run_all(cfg, servers.all_urls(), url, checkpoint, seeds, rounds, out))
+            per_seed, fresh = asyncio.run(_run_all(cfg, servers.all_urls(), url, checkpoint, seeds, rounds, out,
+                                                   methods))
     finally:
         if trained is not None:
             stop_server(trained)
@@ -304,7 +310,8 @@ def run_bench(config: str, overrides: list[str], seeds: list[int], rounds: int, 
                      "checkpoint": checkpoint, "dataset": a.dataset, "num_problems": a.num_problems,
                      "val_ratio": a.val_ratio, "executor": cfg.serving.actor.model_path,
                      "optimizer": cfg.serving.policy.model_path, "executor_max_tokens": a.executor_max_tokens,
-                     "max_nodes": a.max_nodes},
+                     "max_nodes": a.max_nodes, "methods": list(methods),
+                     "instructions": list(a.instructions), "temperatures": list(a.temperatures)},
             "wall_s": time.perf_counter() - t0, "problem_results_computed": fresh, "train": train,
             "summary": summarize(per_seed), "per_seed": {str(s): r for s, r in per_seed.items()}}
 
@@ -385,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="optimizer rounds per search, round 1 (IO) included")
     ap.add_argument("--checkpoint", default="", help="HF dir of a trained optimizer policy (the trained row)")
     ap.add_argument("--train-steps", type=int, default=0, help="train the optimizer first for this many steps")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                    help="methods to run (io always runs: it is the baseline); trained runs only with a checkpoint")
     ap.add_argument("--out", default="runs/bench_aflow_search")
     ap.add_argument("--json", default="", help="write the numbers here and the plot beside it (.png)")
     ap.add_argument("--smoke", action="store_true", help="tiny models, 3 problems, 2 rounds, 1 seed")
@@ -401,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides, seeds, rounds, checkpoint = args.overrides, args.seeds, args.rounds, args.checkpoint
     if args.smoke:
         overrides, seeds, rounds, checkpoint = _smoke_args(args, out)
-    result = run_bench(args.config, overrides, seeds, rounds, out, checkpoint, 0 if args.smoke else args.train_steps)
+    result = run_bench(args.config, overrides, seeds, rounds, out, checkpoint, 0 if args.smoke else args.train_steps,
+                       methods=args.methods)
     print(report(result))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -52,7 +52,7 @@ import numpy as np
 
 from aflow_rl.algos.advantages import step_group_fraction
 from aflow_rl.envs.aflow.experience import SharedExperiencePool
-from aflow_rl.envs.aflow.graph import Workflow, workflow_hash, workflow_schema
+from aflow_rl.envs.aflow.graph import Workflow, proposal_schema, workflow_hash
 from aflow_rl.envs.aflow.mcts import SearchTree, TreeNode, TreeSelector
 from aflow_rl.envs.aflow.optimizer import (PolicyProposer, assess, build_state, evaluate_runs, initial_workflow,
                                            make_evaluate, pool_path, question_type, to_experience)
@@ -150,7 +150,7 @@ async def _propose_round(parent: TreeNode, task: dict, ctx: WorkerContext, evalu
                         max_nodes=a.max_nodes, compact=a.prompt == "compact")
     proposer = PolicyProposer(st["policy_client"], st["tokenizer"], temperature=cfg.env.temperature,
                               max_new_tokens=cfg.env.max_new_tokens,
-                              schema=workflow_schema(a.max_nodes, a.max_samples, a.max_loop_rounds))
+                              schema=proposal_schema(a))
     proposal = await proposer(state)
     outcome = await assess(proposal.text, parent, evaluate=evaluate, runs=a.validation_runs, max_nodes=a.max_nodes,
                            max_samples=a.max_samples, max_loop_rounds=a.max_loop_rounds, penalty=a.format_penalty)

@@ -474,7 +474,12 @@ def default_workflow(kind: str = "") -> Workflow:
 # ---------------------------------------------------------------------------
 
 
-def _param_schema(p: ParamSpec, caps: dict[str, int]) -> dict:
+_NARROWABLE = {_INSTRUCTION: "instruction", _TEMPERATURE: "temperature"}  # params grammar narrowing may fix
+
+
+def _param_schema(p: ParamSpec, caps: dict[str, int], narrow: dict[str, tuple] | None = None) -> dict:
+    if narrow and p in _NARROWABLE and narrow.get(_NARROWABLE[p]) is not None:
+        return {"enum": list(narrow[_NARROWABLE[p]])}   # grammar narrowing: one of a fixed set
     if p.type is str:
         return {"type": "string", "maxLength": SCHEMA_INSTRUCTION_CHARS}
     prop: dict[str, Any] = {"type": "integer" if p.type is int else "number"}
@@ -486,7 +491,8 @@ def _param_schema(p: ParamSpec, caps: dict[str, int]) -> dict:
     return prop
 
 
-def _node_variants(spec: OpSpec, position: int, caps: dict[str, int]) -> list[tuple[dict, bool]]:
+def _node_variants(spec: OpSpec, position: int, caps: dict[str, int],
+                   narrow: dict[str, tuple] | None = None) -> list[tuple[dict, bool]]:
     """The grammar shapes of ``spec`` as the node at 1-based ``position``, each with whether it may be the output.
 
     The node's id is ``n<position>``; its inputs are ids of earlier positions
@@ -505,7 +511,7 @@ def _node_variants(spec: OpSpec, position: int, caps: dict[str, int]) -> list[tu
     if spec.min_inputs > high or not sources:
         return []
     inputs = {"type": "array", "items": {"enum": sources}, "minItems": spec.min_inputs, "maxItems": high}
-    params = {n: _param_schema(p, caps) for n, p in spec.params.items()}
+    params = {n: _param_schema(p, caps, narrow) for n, p in spec.params.items()}
 
     def shape(props: dict) -> dict:
         return {"type": "object",
@@ -519,8 +525,41 @@ def _node_variants(spec: OpSpec, position: int, caps: dict[str, int]) -> list[tu
     return [(shape(params), spec.produces != REVIEW)]
 
 
+def _narrow_sets(instructions: list[str] | None, temperatures: list[float] | None) -> dict[str, tuple]:
+    """The narrowed choices (order kept, duplicates dropped); an empty set or a value out of bounds is an error."""
+    out: dict[str, tuple] = {}
+    if instructions is not None:
+        out["instruction"] = tuple(dict.fromkeys(str(i) for i in instructions))
+        if not out["instruction"]:
+            raise ValueError("instructions is empty: give at least one string (\"\" for no instruction), "
+                             "or leave env.aflow.instructions unset for free text")
+        too_long = [i for i in out["instruction"] if len(i) > MAX_INSTRUCTION_CHARS]
+        if too_long:
+            raise ValueError(f"an instruction has {len(too_long[0])} characters, over MAX_INSTRUCTION_CHARS="
+                             f"{MAX_INSTRUCTION_CHARS}; shorten it")
+    if temperatures is not None:
+        out["temperature"] = tuple(dict.fromkeys(float(t) for t in temperatures))
+        if not out["temperature"]:
+            raise ValueError("temperatures is empty: give at least one value, or leave "
+                             "env.aflow.temperatures unset for any temperature in [0, 2]")
+        bad = [t for t in out["temperature"] if not _TEMPERATURE.low <= t <= _TEMPERATURE.high]
+        if bad:
+            raise ValueError(f"temperature {bad[0]} is outside [{_TEMPERATURE.low}, {_TEMPERATURE.high}]; "
+                             "use a value in that range")
+    return out
+
+
+def proposal_schema(a: Any) -> dict:
+    """The proposal grammar of an ``env.aflow`` config (AflowConfig): its limits, and its
+    ``instructions`` as the fixed instruction set when that list is non-empty (grammar narrowing)."""
+    instructions = list(getattr(a, "instructions", None) or []) or None
+    temperatures = list(getattr(a, "temperatures", None) or []) or None
+    return workflow_schema(a.max_nodes, a.max_samples, a.max_loop_rounds, instructions, temperatures)
+
+
 def workflow_schema(max_nodes: int = DEFAULT_MAX_NODES, max_samples: int = DEFAULT_MAX_SAMPLES,
-                    max_loop_rounds: int = DEFAULT_MAX_LOOP_ROUNDS) -> dict:
+                    max_loop_rounds: int = DEFAULT_MAX_LOOP_ROUNDS, instructions: list[str] | None = None,
+                    temperatures: list[float] | None = None) -> dict:
     """JSON schema of a proposal: a workflow in topological order whose last node is the output.
 
     The grammar is tight so that what a small policy samples under it is
@@ -541,14 +580,21 @@ def workflow_schema(max_nodes: int = DEFAULT_MAX_NODES, max_samples: int = DEFAU
     candidates, Revise reading the Review of its own solution) cannot be
     said by a context-free choice per position without enumerating the
     kinds of all earlier nodes; they, and everything about workflows not
-    written under this schema, stay ``validate``'s, the final judge. The
-    result is a pure function of the three limits, built in a fixed order,
-    so its ``json.dumps`` (the grammar stored in each Turn) is one string per
-    config."""
+    written under this schema, stay ``validate``'s, the final judge.
+
+    ``instructions`` (grammar narrowing, env.aflow.instructions): when given,
+    every ``instruction`` is one of these strings (an ``enum``) instead of
+    free text, so a small or untrained policy proposes structures rather
+    than random prompt text that the executor would then read. None: free
+    text up to SCHEMA_INSTRUCTION_CHARS. ``temperatures`` likewise makes a
+    node's ``temperature`` one of a few values (None: any number in [0, 2]). The result is a pure function of
+    its arguments, built in a fixed order, so its ``json.dumps`` (the
+    grammar stored in each Turn) is one string per config."""
     caps = {"samples": max_samples, "rounds": max_loop_rounds}
+    narrowed = _narrow_sets(instructions, temperatures)
     defs: dict[str, dict] = {}
     for i in range(1, max_nodes + 1):
-        variants = [v for spec in OPERATORS.values() for v in _node_variants(spec, i, caps)]
+        variants = [v for spec in OPERATORS.values() for v in _node_variants(spec, i, caps, narrowed)]
         defs[f"n{i}"] = {"anyOf": [s for s, _ in variants]}
         defs[f"n{i}_out"] = {"anyOf": [s for s, can_output in variants if can_output]}
     branches = []

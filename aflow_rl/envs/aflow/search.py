@@ -52,7 +52,7 @@ def load_tokenizer(cfg: Config) -> Any:
 
 async def run_search(cfg: Config, urls: dict[str, list[str]], *, log=None) -> dict:
     """The search loop against servers at ``urls``; returns the summary (also in summary.json)."""
-    from aflow_rl.envs.aflow.graph import workflow_schema
+    from aflow_rl.envs.aflow.graph import proposal_schema
     from aflow_rl.envs.aflow.optimizer import (Optimizer, PolicyProposer, initial_workflow, make_evaluate,
                                                question_type)
     from aflow_rl.llm import make_client
@@ -65,7 +65,7 @@ async def run_search(cfg: Config, urls: dict[str, list[str]], *, log=None) -> di
     try:
         proposer = PolicyProposer(policy, load_tokenizer(cfg), temperature=cfg.env.temperature,
                                   max_new_tokens=cfg.env.max_new_tokens,
-                                  schema=workflow_schema(a.max_nodes, a.max_samples, a.max_loop_rounds))
+                                  schema=proposal_schema(a))
         opt = Optimizer(a, search_dir(cfg.run_dir), proposer=proposer, evaluate=make_evaluate(a, actor, val),
                         initial=initial_workflow(a, kind), seed=cfg.run.seed, kind=kind, num_problems=len(val),
                         log=log)

@@ -142,3 +142,32 @@ def test_bad_arguments_fail_with_one_line():
         bench.main(["--rounds", "0"])
     with pytest.raises(SystemExit):
         bench.main(["--checkpoint", "/nonexistent/hf"])
+
+
+def test_methods_flag_reaches_the_bench_and_rejects_unknown_names(monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def fake_run_bench(config, overrides, seeds, rounds, out, checkpoint="", train_steps=0, methods=bench.METHODS):
+        seen.update(methods=list(methods), checkpoint=checkpoint)
+        return {"args": {"dataset": "d", "num_problems": 1, "val_ratio": 0.5, "seeds": seeds, "rounds": rounds,
+                         "executor": "e", "optimizer": "o"}, "wall_s": 0.0, "machine": {}, "summary": {}}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    assert bench.main(["--methods", "io", "aflow", "--out", str(tmp_path)]) == 0
+    assert seen["methods"] == ["io", "aflow"]
+    assert bench.main(["--out", str(tmp_path)]) == 0
+    assert seen["methods"] == list(bench.METHODS)
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", "io", "random", "--out", str(tmp_path)])
+    assert "invalid choice: 'random'" in capsys.readouterr().err
+
+
+def test_run_seed_runs_only_the_methods_given(tmp_path, monkeypatch):
+    from aflow_rl.config import load_config
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "aflow_smol.yaml"),
+                      ["env.aflow.num_problems=6", "env.aflow.val_ratio=0.34"])
+    monkeypatch.setattr(bench, "seed_split", lambda c, seed: (_problems(6)[:2], _problems(6)[2:]))
+    evaluator = bench.CachedEvaluator(cfg.env.aflow, ScriptedExecutor(lambda prompt: "0"))
+    row = asyncio.run(bench.run_seed(cfg, 0, 2, evaluator, {"mcts": ChainProposer()}, str(tmp_path)))
+    assert set(row) == {"io", "split", "mcts"}

@@ -295,3 +295,75 @@ def test_execution_order_skips_dead_nodes():
     validate(w, max_nodes=8)
     order = [n.id for n in execution_order(w)]
     assert order == ["a", "r", "v"]
+
+
+def test_narrowed_schema_offers_only_the_instruction_set():
+    """Grammar narrowing (env.aflow.instructions): every instruction is one of the set, nothing else."""
+    jsonschema = pytest.importorskip("jsonschema")
+    xgr = pytest.importorskip("xgrammar")
+    choices = ["", "Answer with the number only.", "Answer with the number only."]   # duplicate dropped
+    schema = workflow_schema(3, 2, 2, instructions=choices)
+    xgr.Grammar.from_json_schema(json.dumps(schema))
+    seen = 0
+    for defs in schema["$defs"].values():
+        for shape in defs["anyOf"]:
+            props = shape["properties"]["params"]["properties"]
+            if "instruction" in props:
+                assert props["instruction"] == {"enum": ["", "Answer with the number only."]}
+                seen += 1
+    assert seen >= 6   # Custom and CustomCodeGenerate at every position, both output and non-output shapes
+
+    def doc(instruction):
+        return {"nodes": [{"id": "n1", "op": "Custom", "inputs": ["problem"], "params": {"instruction": instruction}}],
+                "output": "n1"}
+
+    jsonschema.validate(doc(""), schema)
+    jsonschema.validate(doc("Answer with the number only."), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc("Answer with the number only"), schema)   # one character off
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc("zq#r tokens"), schema)                    # free text is outside
+    jsonschema.validate(doc("zq#r tokens"), workflow_schema(3, 2, 2))       # but inside the free schema
+    # Everything but the instructions is the free schema's: same operators, positions, caps.
+    free = workflow_schema(3, 2, 2)
+    assert json.dumps(schema).replace('{"enum": ["", "Answer with the number only."]}',
+                                      '{"type": "string", "maxLength": 400}') == json.dumps(free)
+
+
+def test_narrowed_schema_rejects_bad_sets_and_follows_the_config():
+    from aflow_rl.config import AflowConfig
+    from aflow_rl.envs.aflow.graph import MAX_INSTRUCTION_CHARS, proposal_schema
+
+    with pytest.raises(ValueError, match="instructions is empty"):
+        workflow_schema(3, 2, 2, instructions=[])
+    with pytest.raises(ValueError, match="over MAX_INSTRUCTION_CHARS"):
+        workflow_schema(3, 2, 2, instructions=["x" * (MAX_INSTRUCTION_CHARS + 1)])
+    a = AflowConfig(max_nodes=3, max_samples=2, max_loop_rounds=2)
+    assert json.dumps(proposal_schema(a)) == json.dumps(workflow_schema(3, 2, 2))       # [] = free text
+    a.instructions = ["", "Think step by step."]
+    assert json.dumps(proposal_schema(a)) == json.dumps(workflow_schema(3, 2, 2, ["", "Think step by step."]))
+    assert json.dumps(proposal_schema(a)) != json.dumps(workflow_schema(3, 2, 2))
+
+
+def test_narrowed_temperatures():
+    jsonschema = pytest.importorskip("jsonschema")
+    xgr = pytest.importorskip("xgrammar")
+    schema = workflow_schema(2, 2, 2, temperatures=[0, 0.7, 0.7])
+    xgr.Grammar.from_json_schema(json.dumps(schema))
+
+    def doc(t):
+        return {"nodes": [{"id": "n1", "op": "Programmer", "inputs": ["problem"], "params": {"temperature": t}}],
+                "output": "n1"}
+
+    jsonschema.validate(doc(0.7), schema)
+    jsonschema.validate(doc(0), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc(2), schema)            # in [0, 2], but not one of the set
+    jsonschema.validate(doc(2), workflow_schema(2, 2, 2))
+    temps = [s["properties"]["params"]["properties"]["temperature"] for d in schema["$defs"].values()
+             for s in d["anyOf"] if "temperature" in s["properties"]["params"]["properties"]]
+    assert temps and all(t == {"enum": [0.0, 0.7]} for t in temps)
+    with pytest.raises(ValueError, match="outside"):
+        workflow_schema(2, 2, 2, temperatures=[2.5])
+    with pytest.raises(ValueError, match="temperatures is empty"):
+        workflow_schema(2, 2, 2, temperatures=[])
