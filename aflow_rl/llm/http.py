@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from aflow_rl.llm import http1
+import aflow_rl.llm.http1 as http1
 from aflow_rl.llm.base import LLMError
 
 Balance = Literal["least_in_flight", "round_robin"]
