@@ -140,7 +140,7 @@ class SwarmEnvConfig:
     action_schema: bool = _f(True, "Constrain model turns with the action JSON schema (false: free text).")
     task_schema: bool = _f(False, "Narrow the action schema each turn to the task's item ids, existing subagents and the cap.")
     effective_actions: bool = _f(False, "With task_schema: the grammar admits only actions that change the state (spawn delegates whole dependency levels of unplanned items in order; join only while work is queued; replan only on failed or queued work; finish alone once all is answered).")
-    prompt: Literal["full", "compact", "shape"] = _f("full", "Observation text: full (documented actions and tools) | compact (state only) | shape (compact + the task's width, depth, lookups and own tool calls left).")
+    prompt: Literal["full", "compact", "shape", "graph"] = _f("full", "Observation text: full (documented actions and tools) | compact (state only) | shape (compact + the task's width, depth, lookups and own tool calls left) | graph (shape + a last line 'Graph: parallel|serial|parallel then serial' from the items' dependencies).")
     auto_answer: bool = _f(False, "Score the subagents' collected results as the answer (finish's own entries fill gaps).")
     kb_seed: int = _f(0, "Seed of the local knowledge base that tasks are asked about.")
     bandit_latency_coef: float = _f(0.02, "bandit baseline: its reward is item_f1 - coef * critical_steps.")

@@ -72,6 +72,6 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
                              "(workers.swarm.init_worker builds them from llm.policy and serving.policy)")
         return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
-                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt in ("compact", "shape"),
+                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt in ("compact", "shape", "graph"),
                            effective_actions=cfg.env.swarm.effective_actions)
     return make_baseline(name, cfg)
