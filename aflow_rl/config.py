@@ -60,7 +60,7 @@ class ServerConfig:
     backend: Literal["embedded", "sglang", "external", "none"] = _f(
         "embedded", "embedded (CPU server in this package) | sglang (launch_server) | external (URLs) | none.")
     model_path: str = _f("", "Hugging Face model directory served by this role.")
-    build_tiny: str = _f("", "tiny | small: if model_path holds no model, build the offline tiny model there first.")
+    build_tiny: str = _f("", "tiny | mid | small: if model_path holds no model, build the offline tiny model there first.")
     urls: list[str] = _f([], "external backend: server base URLs, e.g. http://10.0.0.5:30000.")
     num_servers: int = _f(1, "How many server processes to start for this role (load-balanced).")
     host: str = _f("127.0.0.1", "Address the started servers bind to.")
