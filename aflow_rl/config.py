@@ -145,6 +145,7 @@ class SwarmEnvConfig:
     kb_seed: int = _f(0, "Seed of the local knowledge base that tasks are asked about.")
     bandit_latency_coef: float = _f(0.02, "bandit baseline: its reward is item_f1 - coef * critical_steps.")
     latency_coef: float = _f(0.0, "Latency cost c of the task reward: r_perf = item_f1 - c * critical_steps (0: quality only). Not annealed, so it still applies once PARL's lambdas are 0.")
+    no_duplicate_work: bool = _f(False, "With effective_actions: solve only items no subagent holds or answered, and spawn at most one subagent per delegated item.")
     solve_action: bool = _f(False, "Offer the action {\"action\":\"solve\",\"subtask\":ID}: the orchestrator works an item itself, one main step and one tool call per lookup (serial work).")
     mix: list[str] = _f([], "Suites of a mixed task distribution, e.g. [wide, deep, mixed]: each task draws its suite (empty: suite alone).")
     curriculum: list[int] = _f([], "Curriculum over mix: the optimizer step at which each suite of mix joins the draw (same length as mix, first 0; e.g. [0, 40, 80] for wide -> deep -> mixed). Empty: all from step 0.")
