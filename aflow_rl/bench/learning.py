@@ -111,9 +111,40 @@ def _finish_training(entry: tuple) -> dict[str, Any]:
     return {"estimator": est, "run_dir": run_dir, "command": " ".join(cmd), "wall_s": wall, "checkpoint": hf}
 
 
+def first_action(episode: dict, tokenizer: Any) -> str:
+    """The kind of an episode's first orchestrator action (its first turn decoded), '' if none.
+    Under the effective grammar it is the choice between serial work (solve) and delegation
+    (spawn) that decides most of the objective."""
+    import re
+
+    if not episode.get("turns"):
+        return ""
+    m = re.search(r'"action"\s*:\s*"(\w+)"', tokenizer.decode(episode["turns"][0]["response_ids"]))
+    return m.group(1) if m else "?"
+
+
+def _spawn_first_shares(eps: list[dict], tokenizer: Any) -> dict[str, float]:
+    out = {}
+    for suite in SUITES:
+        firsts = [first_action(e, tokenizer) for e in eps if e["info"].get("suite") == suite]
+        if firsts:
+            out[f"spawn_first/{suite}"] = firsts.count("spawn") / len(firsts)
+    return out
+
+
+def _policy_tokenizer(cfg: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    path = cfg.serving.policy.model_path
+    path = path if os.path.isabs(path) else os.path.join(ROOT, path)
+    return AutoTokenizer.from_pretrained(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+
+
 def learning_curve(run_dir: str, config: str, sets: list[str]) -> list[dict[str, float]]:
     """Per optimizer step: mean shaped training reward, mean objective, item F1, critical steps,
-    and the loop's wall time so far (sum of ``timing/step_s``: start-up excluded)."""
+    the loop's wall time so far (sum of ``timing/step_s``: start-up excluded), and per suite the
+    share of episodes whose first action is spawn (``spawn_first/<suite>``: does the policy's
+    first action depend on the task?)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from aflow_rl.algos.parl import shaped_reward
@@ -121,6 +152,7 @@ def learning_curve(run_dir: str, config: str, sets: list[str]) -> list[dict[str,
 
     cfg = load_config(config, sets)
     coef = cfg.env.swarm.latency_coef
+    tokenizer = _policy_tokenizer(cfg)
     acc = EventAccumulator(os.path.join(run_dir, "events"), size_guidance={"scalars": 0})
     acc.Reload()
     step_s = {e.step: e.value for e in acc.Scalars("timing/step_s")} if "timing/step_s" in acc.Tags()["scalars"] else {}
@@ -141,6 +173,8 @@ def learning_curve(run_dir: str, config: str, sets: list[str]) -> list[dict[str,
             o = [v for e, v in zip(eps, obj) if e["info"].get("suite") == suite]
             if o:
                 point[f"objective/{suite}"] = float(np.mean(o))
+        if tokenizer is not None:
+            point.update(_spawn_first_shares(eps, tokenizer))
         curve.append(point)
     return curve
 

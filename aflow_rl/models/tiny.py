@@ -1,7 +1,7 @@
 """Offline tiny Hugging Face models: a locally trained byte-level BPE tokenizer
 plus a randomly initialised Qwen2 decoder.
 
-    python -m aflow_rl.models.tiny --out models/tiny [--preset tiny|small] [--seed 0]
+    python -m aflow_rl.models.tiny --out models/tiny [--preset tiny|mid|small] [--seed 0]
 
 Nothing is downloaded. The output is an ordinary HF directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json with a ChatML chat
@@ -31,6 +31,10 @@ PRESETS = {
     # ~0.1M params: fast enough for the CPU test suite and the quickstart.
     "tiny": dict(vocab=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
+    # ~0.7M params: the learning benchmark's step-up from tiny (3 layers of 128), the same
+    # tokenizer as tiny so prompts and grammars are token-for-token the same.
+    "mid": dict(vocab=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
     # ~4M params: for benchmarks and slower CPU experiments.
     "small": dict(vocab=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096),

@@ -78,3 +78,19 @@ def test_smoke_trains_both_estimators_and_evaluates_held_out(tmp_path, tiny_mode
     assert data["held_out"]["training_tasks"] == 4                    # 2 steps x 2 tasks, replayed
     text = capsys.readouterr().out
     assert "trained-gigpo on mixed" in text and "held-out" in text
+
+
+def test_first_action_decodes_the_first_turn_and_shares_are_per_suite(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    def ep(suite, *texts):
+        return {"info": {"suite": suite}, "turns": [{"response_ids": tok.encode(t)} for t in texts]}
+    spawn = '{"action":"spawn","n":2,"profile":"large","subtasks":["w0","w1"]}'
+    solve = '{"action": "solve", "subtask": "h0"}'
+    eps = [ep("wide", spawn, solve), ep("wide", solve, spawn), ep("wide", spawn), ep("deep", solve, spawn),
+           ep("mixed", "garbage"), {"info": {"suite": "mixed"}, "turns": []}]
+    assert [learning.first_action(e, tok) for e in eps] == ["spawn", "solve", "spawn", "solve", "?", ""]
+    # only the first turn counts: a later spawn does not make a solve-first episode spawn-first
+    assert learning._spawn_first_shares(eps, tok) == {"spawn_first/wide": 2 / 3, "spawn_first/deep": 0.0,
+                                                       "spawn_first/mixed": 0.0}

@@ -45,3 +45,15 @@ def test_deterministic_by_seed(tmp_path, tiny_model_dir):
     other = build(str(tmp_path / "b"), preset="tiny", seed=1)
     assert _digest(again) == _digest(tiny_model_dir)
     assert _digest(other) != _digest(tiny_model_dir)
+
+
+def test_mid_preset_shares_tiny_tokenizer_and_has_under_a_million_parameters(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mid = build(str(tmp_path / "mid"), preset="mid", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(mid)
+    n = sum(p.numel() for p in model.parameters())
+    assert 5e5 < n < 1e6 and model.config.num_hidden_layers == 3 and model.config.hidden_size == 128
+    text = '{"action":"spawn","n":3}\nGraph: parallel then serial'
+    assert (AutoTokenizer.from_pretrained(mid).encode(text)
+            == AutoTokenizer.from_pretrained(tiny_model_dir).encode(text))

@@ -128,7 +128,15 @@ def _effective_variants(view: dict) -> dict[str, dict | None]:
     }
 
 
-def action_schema_for(view: dict, *, effective: bool = False) -> dict:
+def _one_per_item_spawns(view: dict, spawn: dict) -> list[dict]:
+    """Spawn variants of ``no_duplicate``: one per dependency-level option, each with at most
+    one subagent per delegated item (a subagent beyond that would idle)."""
+    options = spawn["subtasks"].get("anyOf", [spawn["subtasks"]])
+    return [_variant("spawn", {**spawn, "n": {**spawn["n"], "maximum": min(spawn["n"]["maximum"], o["minItems"])},
+                               "subtasks": o}, list(spawn)) for o in options]
+
+
+def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool = False) -> dict:
     """ACTION_SCHEMA narrowed to the current state: item ids are the task's, subagent
     ids the ones that exist, ``n`` at most the concurrency cap; ``solve`` (on the items
     whose inputs are known and whose answer is not) only when ``view["solve"]`` says
@@ -149,6 +157,10 @@ def action_schema_for(view: dict, *, effective: bool = False) -> dict:
     The grammar then only admits actions that name real things, so a small or
     untrained policy explores decompositions instead of inventing ids; the same
     schema string travels in the Turn, so the trainer rebuilds the same masks.
+
+    ``no_duplicate`` (with ``effective``; ``env.swarm.no_duplicate_work``) also leaves out
+    work that duplicates work already delegated: solve only on items no subagent holds or
+    answered, and spawn at most one subagent per delegated item.
     """
     items = [it["id"] for it in view["items"]]
     agents = len(view.get("subagents", []))
@@ -169,11 +181,22 @@ def action_schema_for(view: dict, *, effective: bool = False) -> dict:
     if not view.get("solve"):  # solve does the orchestrator's own lookups item by item; raw calls add nothing
         props["tool_call"] = {"tool": {"type": "string", "enum": list(TOOLS)}, "args": _TOOL_ARGS}
     ready = _ready(view) if view.get("solve") else []
+    lean = no_duplicate and effective
+    if lean:
+        ready = [i for i in ready if i not in _live(view)]
     props["solve"] = {"subtask": {"type": "string", "enum": ready}} if ready else None
     props["finish"] = {"answer": {"type": "object", "properties": {i: value for i in items},
                                   "additionalProperties": False}}
     order = ("spawn", "assign", "join", "tool_call", "replan", "solve", "finish")
-    return {"anyOf": [_variant(k, props[k], list(props[k])) for k in order if props.get(k) is not None]}
+    variants = []
+    for k in order:
+        if props.get(k) is None:
+            continue
+        if k == "spawn" and lean:
+            variants.extend(_one_per_item_spawns(view, props[k]))
+        else:
+            variants.append(_variant(k, props[k], list(props[k])))
+    return {"anyOf": variants}
 
 
 _FIELDS = {"spawn": {"n", "profile", "subtasks"}, "assign": {"subagent", "subtask"}, "join": {"ids"},

@@ -70,8 +70,8 @@ async def run_swarm_episode(task: dict, cfg: Any, policy: Policy, *, executor: S
     last: dict | None = None
     step = 0
     while rt.ended is None:
-        obs = render(task, rt, mailbox=rt.drain_mailbox(), last=last, compact=sw.prompt in ("compact", "shape"),
-                     shape=sw.prompt == "shape")
+        obs = render(task, rt, mailbox=rt.drain_mailbox(), last=last, compact=sw.prompt in ("compact", "shape", "graph"),
+                     shape=sw.prompt in ("shape", "graph"), graph=sw.prompt == "graph")
         t0 = time.perf_counter()
         decision = await policy.act(obs)
         t1 = time.perf_counter()

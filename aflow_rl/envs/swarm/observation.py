@@ -57,6 +57,21 @@ def shape_line(task: dict, rt: "SwarmRuntime") -> str:
             f"tools left {rt.budgets.max_tool_calls - rt.tool_calls}")
 
 
+def graph_line(task: dict) -> str:
+    """``Graph: parallel`` (one dependency level), ``Graph: serial`` (a single chain) or
+    ``Graph: parallel then serial`` (several chains joined later), derived from the items'
+    dependencies alone. The words are single tokens of the tiny tokenizer, where the Shape
+    line's numbers are one digit among thirty character tokens: a 2-layer policy reads a
+    word placed just before its answer far more easily. It says no more than the bandit
+    baseline's context (the suite name) already tells that baseline."""
+    from aflow_rl.envs.swarm.tasks import item_depths, task_width
+
+    depth = 1 + max(item_depths(task["items"]).values(), default=-1)
+    if depth <= 1:
+        return "Graph: parallel"
+    return "Graph: serial" if task_width(task["items"]) <= 1 else "Graph: parallel then serial"
+
+
 def public_items(task: dict) -> list[dict]:
     """The task's items as a policy may see them (no gold answers)."""
     return [dict(it) for it in task["items"]]
@@ -66,7 +81,7 @@ COMPACT_SYSTEM_PROMPT = "Orchestrate subagents to answer every item. One JSON ac
 
 
 def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | None,
-           compact: bool = False, shape: bool = False) -> Observation:
+           compact: bool = False, shape: bool = False, graph: bool = False) -> Observation:
     """Observation of ``rt`` before the orchestrator's next turn.
 
     ``compact`` keeps only the state (items and their dependencies, subagents,
@@ -75,7 +90,8 @@ def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | 
     ``shape`` (with ``compact``) adds one line with what decides between serial
     and parallel work: the task's width (most items at one dependency depth),
     its depth (dependency levels), the lookups its items need, and the
-    orchestrator's own tool calls left.
+    orchestrator's own tool calls left. ``graph`` (with ``compact``) ends the text with
+    ``graph_line``: the same structure as one or three words, last, next to the answer.
     """
     results = rt.results()
     items = public_items(task)
@@ -136,4 +152,6 @@ def render(task: dict, rt: "SwarmRuntime", *, mailbox: list[dict], last: dict | 
         lines.append(f"Turn {rt.steps + 1}/{b.max_steps}")
         if shape:
             lines.append(shape_line(task, rt))
+        if graph:
+            lines.append(graph_line(task))
     return Observation(text="\n".join(lines), anchor_key=anchor, view=view)

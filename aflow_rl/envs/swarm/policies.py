@@ -31,9 +31,9 @@ class ModelPolicy:
 
     def __init__(self, client: LLMClient, tokenizer: Any, *, temperature: float = 1.0, max_new_tokens: int = 96,
                  constrained: bool = True, task_schema: bool = False, compact: bool = False,
-                 effective_actions: bool = False):
+                 effective_actions: bool = False, no_duplicate_work: bool = False):
         self.client, self.tokenizer = client, tokenizer
-        self.effective_actions = effective_actions
+        self.effective_actions, self.no_duplicate_work = effective_actions, no_duplicate_work
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.constrained, self.task_schema = constrained, task_schema
         self.system_prompt = COMPACT_SYSTEM_PROMPT if compact else SYSTEM_PROMPT
@@ -56,7 +56,7 @@ class ModelPolicy:
         if not self.constrained:
             return None
         if self.task_schema:
-            return action_schema_for(obs.view, effective=self.effective_actions)
+            return action_schema_for(obs.view, effective=self.effective_actions, no_duplicate=self.no_duplicate_work)
         return ACTION_SCHEMA_SOLVE if obs.view.get("solve") else ACTION_SCHEMA
 
     def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
@@ -72,6 +72,7 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
                              "(workers.swarm.init_worker builds them from llm.policy and serving.policy)")
         return ModelPolicy(client, tokenizer, temperature=cfg.env.temperature,
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
-                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt in ("compact", "shape"),
-                           effective_actions=cfg.env.swarm.effective_actions)
+                           task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt in ("compact", "shape", "graph"),
+                           effective_actions=cfg.env.swarm.effective_actions,
+                           no_duplicate_work=cfg.env.swarm.no_duplicate_work)
     return make_baseline(name, cfg)

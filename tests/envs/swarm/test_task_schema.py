@@ -158,3 +158,48 @@ def test_with_solve_the_narrowed_schema_leaves_out_raw_tool_calls_and_bounds_ans
     jsonschema.validate({"action": "finish", "answer": {"sum": "x" * 32}}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"action": "finish", "answer": {"sum": "x" * 33}}, schema)
+
+
+def test_no_duplicate_work_leaves_out_solving_delegated_items_and_idle_subagents():
+    lean = action_schema_for(MIXED_VIEW, effective=True, no_duplicate=True)
+    spawns = [v for v in lean["anyOf"] if v["properties"]["action"]["enum"] == ["spawn"]]
+    # one spawn variant per level option, n at most its item count (and the concurrency cap 4)
+    assert [(len(v["properties"]["subtasks"]["prefixItems"]), v["properties"]["n"]["maximum"]) for v in spawns] == [
+        (2, 2), (3, 3), (4, 4)]
+    jsonschema.validate({"action": "spawn", "n": 3, "profile": "large", "subtasks": ["c0h0", "c1h0", "c0h1"]}, lean)
+    for bad in ({"action": "spawn", "n": 3, "profile": "large", "subtasks": ["c0h0", "c1h0"]},   # one would idle
+                {"action": "spawn", "n": 0, "profile": "large", "subtasks": ["c0h0", "c1h0"]}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, lean)
+    # c0h0 queued on #0 and c1h0 answered by a subagent: only what nobody holds may be solved;
+    # without the flag the same state offers solving the queued c0h0 again.
+    held = {**MIXED_VIEW, "subagents": [{"id": 0, "queue": ["c0h0"]}],
+            "subtasks": [{"item": "c0h0", "status": "queued"}, {"item": "c1h0", "status": "done"}],
+            "results": {"c1h0": "7"}}
+    assert _variant(action_schema_for(held, effective=True), "solve")["properties"]["subtask"]["enum"] == ["c0h0"]
+    assert _variant(action_schema_for(held, effective=True, no_duplicate=True), "solve") is None
+    failed = {**held, "subtasks": [{"item": "c0h0", "status": "failed"}, {"item": "c1h0", "status": "done"}],
+              "subagents": [{"id": 0, "queue": []}]}
+    assert _variant(action_schema_for(failed, effective=True, no_duplicate=True), "solve")[
+        "properties"]["subtask"]["enum"] == ["c0h0"]                              # a failed item may be redone
+    # a lone level keeps a single spawn variant; the flag does nothing without effective_actions
+    wide = {**MIXED_VIEW, "items": [{"id": "w0", "deps": []}, {"id": "w1", "deps": []}, {"id": "w2", "deps": []}]}
+    one = [v for v in action_schema_for(wide, effective=True, no_duplicate=True)["anyOf"]
+           if v["properties"]["action"]["enum"] == ["spawn"]]
+    assert len(one) == 1 and one[0]["properties"]["n"]["maximum"] == 3
+    assert action_schema_for(MIXED_VIEW, no_duplicate=True) == action_schema_for(MIXED_VIEW)
+
+
+def test_no_duplicate_schema_compiles_with_xgrammar(tiny_model_dir):
+    from aflow_rl.serving.grammar import GrammarBackend
+
+    backend = GrammarBackend.from_pretrained(tiny_model_dir)
+    assert backend.compile({"json_schema": json.dumps(action_schema_for(MIXED_VIEW, effective=True, no_duplicate=True))})
+
+
+def test_no_duplicate_work_reaches_the_model_policy():
+    cfg = load_config(None, ["env.swarm.task_schema=true", "env.swarm.effective_actions=true",
+                             "env.swarm.no_duplicate_work=true", "env.swarm.solve_action=true"])
+    from aflow_rl.envs.swarm.policies import make_policy
+    policy = make_policy(cfg, client=ScriptedLLM(["{}"]), tokenizer=FakeTokenizer())
+    assert policy.no_duplicate_work and _kinds(policy.schema(type("O", (), {"view": MIXED_VIEW})())).count("spawn") == 3
