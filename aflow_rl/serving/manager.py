@@ -12,7 +12,7 @@ Per role, ``serving.<role>.backend`` picks what happens:
 - ``external``: the given URLs, whose ``/health`` must answer at start-up;
 - ``none``: no servers (``urls`` is empty).
 
-With ``build_tiny: tiny|small`` the offline tiny model is built at
+With ``build_tiny: tiny|mid|small`` the offline tiny model is built at
 ``model_path`` first if nothing is there yet.
 
 Started servers log to ``run_dir/logs/<role>-<i>.log``. Start-up waits for
@@ -320,8 +320,11 @@ class ServerManager:
             key = f"serving.{role}"
             if cfg.backend in ("embedded", "sglang") and not cfg.model_path:
                 raise ServerError(f"{key}.model_path: the {cfg.backend} backend needs a model directory")
-            if cfg.build_tiny not in ("", "tiny", "small"):
-                raise ServerError(f"{key}.build_tiny: expected tiny, small or empty, got {cfg.build_tiny!r}")
+            from aflow_rl.models.tiny import PRESETS
+
+            if cfg.build_tiny and cfg.build_tiny not in PRESETS:
+                raise ServerError(f"{key}.build_tiny: expected one of {', '.join(sorted(PRESETS))} or empty, "
+                                  f"got {cfg.build_tiny!r}")
             if cfg.backend == "external" and not cfg.urls:
                 raise ServerError(f"{key}.urls: the external backend needs at least one URL")
             if cfg.backend == "sglang":
