@@ -223,6 +223,19 @@ def _partial(req: GenerateRequest, ids: list[int], lps: tuple, text: str) -> Gen
                           e2e_latency=0.0, queue_time=0.0)
 
 
+def _text_delta(srv, req: GenerateRequest, ids: list[int], lps: tuple, res: Optional[GenerateResult],
+                params: SamplingParams, sent: str) -> tuple[GenerateResult, int, str]:
+    """One sequence's update in an OpenAI-style stream: (its result so far, how many output tokens
+    its content covers, the text not sent yet). ``res`` is None while it runs."""
+    if res is None:
+        res = _partial(req, ids, lps, stream_text(srv.engine, ids, params))
+        end = len(ids)
+    else:
+        end = srv.content_len(res, params)
+    # Held-back text makes what was sent a prefix of every later text.
+    return res, end, res.text[len(sent):] if res.text.startswith(sent) else ""
+
+
 def _partial_generate(srv, req: GenerateRequest, ids: list[int], lps: tuple, text_lp: bool) -> dict:
     res = _partial(req, ids, lps, stream_text(srv.engine, ids, req.params))
     out = srv.sglang_response(req, res, text_lp)
@@ -317,13 +330,7 @@ async def _chat_events(srv, fan: Fanout, params: SamplingParams, want_lp: bool, 
     try:
         async for batch in events:
             for i, ids, lps, res in batch:
-                if res is None:
-                    res = _partial(fan.reqs[i], ids, lps, stream_text(srv.engine, ids, params))
-                    end = len(ids)
-                else:
-                    end = srv.content_len(res, params)
-                # Held-back text makes what was sent a prefix of every later text.
-                delta = res.text[len(sent_text[i]):] if res.text.startswith(sent_text[i]) else ""
+                res, end, delta = _text_delta(srv, fan.reqs[i], ids, lps, res, params, sent_text[i])
                 sent_text[i] += delta
                 logprobs = None
                 if want_lp and end > sent_tokens[i]:
@@ -418,13 +425,7 @@ async def _completion_events(srv, fan: Fanout, params: list[SamplingParams], top
         async for batch in events:
             for i, ids, lps, res in batch:
                 p = params[i]
-                if res is None:
-                    res = _partial(fan.reqs[i], ids, lps, stream_text(srv.engine, ids, p))
-                    end = len(ids)
-                else:
-                    end = srv.content_len(res, p)
-                # Held-back text makes what was sent a prefix of every later text.
-                delta = res.text[len(sent_text[i]):] if res.text.startswith(sent_text[i]) else ""
+                res, end, delta = _text_delta(srv, fan.reqs[i], ids, lps, res, p, sent_text[i])
                 sent_text[i] += delta
                 logprobs = None
                 if top_n is not None and end > sent_tokens[i]:
