@@ -129,6 +129,7 @@ class Learner:
 
     def __init__(self, cfg: Config, dist, engine, ref_model, tokenizer):
         self.cfg, self.dist, self.engine, self.ref_model, self.tokenizer = cfg, dist, engine, ref_model, tokenizer
+        self.dist_sync = None   # trainer.sync=distributed: the update group, joined at the first sync
 
     @classmethod
     def build(cls, cfg: Config, dist):
@@ -177,7 +178,7 @@ class Learner:
         if distributed:   # collective: every rank gathers the ZeRO-3 buckets, rank 0 broadcasts them
             from aflow_rl.trainer.dist_sync import DistributedSync
 
-            if getattr(self, "dist_sync", None) is None:
+            if self.dist_sync is None:
                 self.dist_sync = DistributedSync.from_config(cfg.trainer, cfg.serving.policy.backend)
             self.dist_sync.push(engine, client if client is not None and client.urls else None, version)
         else:

@@ -350,7 +350,7 @@ def machine() -> dict:
     import importlib.metadata as md
 
     versions = {}
-    for dist in ("joblib", "aiohttp", "httpx", "httpx2"):
+    for dist in ("aiohttp", "httpx", "httpx2"):
         try:
             versions[dist] = md.version(dist)
         except md.PackageNotFoundError:
