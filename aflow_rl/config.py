@@ -563,6 +563,9 @@ def _validate_sync(cfg: Config) -> None:
         raise ConfigError(f"trainer.sync_bucket_mb: must be positive, got {t.sync_bucket_mb:g} (try 512)")
     if not 0 <= t.sync_master_port <= 65535:
         raise ConfigError(f"trainer.sync_master_port: {t.sync_master_port} is not a port (0 picks a free one)")
+    if t.sync_inflight:   # pausing around a bucketed broadcast is not built: say so rather than ignore it
+        raise ConfigError("trainer.sync_inflight=true works with trainer.sync=disk only; with sync=distributed "
+                          "set trainer.sync_inflight=false (each bucket then waits for running requests)")
     if t.sync_backend == "nccl" and cfg.serving.policy.backend == "embedded":
         raise ConfigError("trainer.sync_backend=nccl: the embedded policy server runs on CPU and joins over gloo; "
                           "set trainer.sync_backend=gloo (or auto)")

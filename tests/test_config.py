@@ -122,3 +122,11 @@ def test_in_flight_sync_keys():
     # abort would throw away every episode in flight at each sync: not a sync mode.
     with pytest.raises(ConfigError, match=r"trainer.sync_pause_mode: expected one of 'in_place' \| 'retract'"):
         load_config(None, ["trainer.sync_pause_mode=abort"])
+
+
+def test_in_flight_sync_is_refused_with_the_distributed_method():
+    """sync=distributed does not pause the servers around its buckets: the flag must not be silently ignored."""
+    with pytest.raises(ConfigError, match=r"trainer.sync_inflight=true works with trainer.sync=disk only"):
+        load_config(None, ["trainer.sync=distributed", "trainer.sync_inflight=true"])
+    assert load_config(None, ["trainer.sync=distributed"]).trainer.sync_inflight is False
+    assert load_config(None, ["trainer.sync_inflight=true"]).trainer.sync == "disk"
