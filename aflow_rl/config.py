@@ -151,6 +151,7 @@ class SwarmEnvConfig:
     mix: list[str] = _f([], "Suites of a mixed task distribution, e.g. [wide, deep, mixed]: each task draws its suite (empty: suite alone).")
     curriculum: list[int] = _f([], "Curriculum over mix: the optimizer step at which each suite of mix joins the draw (same length as mix, first 0; e.g. [0, 40, 80] for wide -> deep -> mixed). Empty: all from step 0.")
     item_range: dict[str, list[int]] = _f({}, "Per-suite [min, max] items (hops), e.g. {wide: [6, 10], deep: [3, 6]}; suites not named use min_items..max_items.")
+    draw: Literal["random", "balanced"] = _f("random", "How each task picks its suite from the current stage: random (a hash of seed and index) | balanced (round-robin over the task sampler's position, so every optimizer step trains each suite equally often when tasks_per_step is a multiple of the suites; evaluation sets stay random).")
     items_ramp_steps: int = _f(0, "Curriculum over item counts: a suite's most items grow linearly from its min to its max over this many steps after it joins (0: full range at once).")
     bandit_ucb_c: float = _f(0.1, "bandit baseline: UCB1 exploration coefficient.")
 

@@ -245,7 +245,15 @@ def make_tasks(cfg: Any, n: int, seed: int, *, position: int | None = None) -> l
     for i in range(n):
         task_seed = stable_seed(seed, i) % (2 ** 31)
         # One suite alone keeps the draw (and task ids) of the single-suite environment.
-        suite, lo, hi = stage[0] if len(stage) == 1 else stage[stable_seed("suite", seed, i) % len(stage)]
+        # A balanced draw stratifies by suite: a random one gives some steps 3 deep tasks of 4, and
+        # that imbalance moves the first action of every suite together (docs/benchmarks.md).
+        if len(stage) == 1:
+            k = 0
+        elif sw.draw == "balanced" and position is not None:
+            k = (position + i) % len(stage)
+        else:
+            k = stable_seed("suite", seed, i) % len(stage)
+        suite, lo, hi = stage[k]
         tasks.append(generate_task(suite, task_seed, min_items=lo, max_items=hi, kb_seed=sw.kb_seed,
                                    task_id=f"{suite}-{seed}-{i}"))
     return tasks

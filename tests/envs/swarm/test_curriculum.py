@@ -74,3 +74,25 @@ def test_sampler_passes_its_position_and_resumes_on_the_curriculum():
 def test_bad_curricula_are_config_errors(bad, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, bad)
+
+
+def test_a_balanced_draw_gives_every_step_each_suite_equally_often():
+    """env.swarm.draw=balanced: round-robin over the sampler's position, so 6 tasks a step are 2 of each
+    suite at every step (a random draw gives some steps 4 deep tasks of 6), resumable like the random one."""
+    mix = ["env.swarm.mix=[wide, deep, mixed]", "rollout.tasks_per_step=6"]
+    balanced = load_config(None, mix + ["env.swarm.draw=balanced"])
+    sampler = TaskSampler(make_tasks, balanced, seed=4)
+    for _ in range(20):
+        assert Counter(t["suite"] for t in sampler.next(6)) == {"wide": 2, "deep": 2, "mixed": 2}
+    resumed = TaskSampler(make_tasks, balanced, seed=4)
+    resumed.load_state_dict({"seed": 4, "position": 60})
+    assert resumed.next(6) == TaskSampler(make_tasks, balanced, seed=4, position=60).next(6)
+    # the random draw is unbalanced at some step of the same 20, and an evaluation set (no position) stays random
+    random_cfg = load_config(None, mix)
+    rnd = TaskSampler(make_tasks, random_cfg, seed=4)
+    assert any(max(Counter(t["suite"] for t in rnd.next(6)).values()) > 2 for _ in range(20))
+    assert make_tasks(balanced, 30, seed=4) == make_tasks(random_cfg, 30, seed=4)
+    # joining suites mid-curriculum: the draw balances over the suites of the current stage
+    staged = load_config(None, mix + ["env.swarm.draw=balanced", "env.swarm.curriculum=[0, 0, 5]"])
+    assert Counter(t["suite"] for t in make_tasks(staged, 6, seed=1, position=0)) == {"wide": 3, "deep": 3}
+    assert Counter(t["suite"] for t in make_tasks(staged, 6, seed=1, position=30)) == {"wide": 2, "deep": 2, "mixed": 2}
