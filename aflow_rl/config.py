@@ -147,6 +147,8 @@ class SwarmEnvConfig:
     bandit_latency_coef: float = _f(0.02, "bandit baseline: its reward is item_f1 - coef * critical_steps.")
     latency_coef: float = _f(0.0, "Latency cost c of the task reward: r_perf = item_f1 - c * critical_steps (0: quality only). Not annealed, so it still applies once PARL's lambdas are 0.")
     no_duplicate_work: bool = _f(False, "With effective_actions: solve only items no subagent holds or answered, and spawn at most one subagent per delegated item.")
+    spawn_n: Literal["choose", "width"] = _f("choose", "With no_duplicate_work: choose (the policy picks a spawn's n, 1..items delegated) | width (the grammar fixes n to the widest dependency level delegated: one subagent per item that can run at once).")
+    spawn_profile: Literal["choose", "small", "medium", "large"] = _f("choose", "With task_schema: choose (the policy picks a spawn's profile) | small | medium | large (the grammar fixes it; large never reports a wrong answer, the heuristic's rule).")
     solve_action: bool = _f(False, "Offer the action {\"action\":\"solve\",\"subtask\":ID}: the orchestrator works an item itself, one main step and one tool call per lookup (serial work).")
     mix: list[str] = _f([], "Suites of a mixed task distribution, e.g. [wide, deep, mixed]: each task draws its suite (empty: suite alone).")
     curriculum: list[int] = _f([], "Curriculum over mix: the optimizer step at which each suite of mix joins the draw (same length as mix, first 0; e.g. [0, 40, 80] for wide -> deep -> mixed). Empty: all from step 0.")
@@ -694,6 +696,12 @@ def _validate_task_mix(sw: SwarmEnvConfig) -> None:
             raise ConfigError(f"env.swarm.item_range.{suite}: expected [min, max] integers with 1 <= min <= max, got {rng!r}")
     if sw.items_ramp_steps < 0:
         raise ConfigError(f"env.swarm.items_ramp_steps: must be >= 0, got {sw.items_ramp_steps}")
+    if sw.spawn_n == "width" and not (sw.task_schema and sw.effective_actions and sw.no_duplicate_work):
+        raise ConfigError("env.swarm.spawn_n=width narrows the spawns of the per-state grammar: set "
+                          "env.swarm.task_schema=true effective_actions=true no_duplicate_work=true, or spawn_n=choose")
+    if sw.spawn_profile != "choose" and not sw.task_schema:
+        raise ConfigError(f"env.swarm.spawn_profile={sw.spawn_profile} is enforced by the per-state grammar: set "
+                          "env.swarm.task_schema=true, or spawn_profile=choose")
 
 
 # ---------------------------------------------------------------------------

@@ -128,15 +128,29 @@ def _effective_variants(view: dict) -> dict[str, dict | None]:
     }
 
 
-def _one_per_item_spawns(view: dict, spawn: dict) -> list[dict]:
+def _one_per_item_spawns(view: dict, spawn: dict, *, width_n: bool = False) -> list[dict]:
     """Spawn variants of ``no_duplicate``: one per dependency-level option, each with at most
-    one subagent per delegated item (a subagent beyond that would idle)."""
+    one subagent per delegated item (a subagent beyond that would idle).
+
+    ``width_n`` fixes ``n`` to the option's widest dependency level (capped): one subagent per
+    item that can run at once. Fewer serialise a level, more idle, so it is the one ``n``
+    that neither adds critical steps nor spawns waste."""
+    depth = _depths(view["items"])
     options = spawn["subtasks"].get("anyOf", [spawn["subtasks"]])
-    return [_variant("spawn", {**spawn, "n": {**spawn["n"], "maximum": min(spawn["n"]["maximum"], o["minItems"])},
-                               "subtasks": o}, list(spawn)) for o in options]
+    out = []
+    for o in options:
+        cap = min(spawn["n"]["maximum"], o["minItems"])
+        if width_n:
+            levels = [depth[p["const"]] for p in o["prefixItems"]]
+            n = {"type": "integer", "enum": [min(cap, max(levels.count(d) for d in set(levels)))]}
+        else:
+            n = {**spawn["n"], "maximum": cap}
+        out.append(_variant("spawn", {**spawn, "n": n, "subtasks": o}, list(spawn)))
+    return out
 
 
-def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool = False) -> dict:
+def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool = False,
+                      spawn_n: str = "choose", spawn_profile: str = "choose", auto_answer: bool = False) -> dict:
     """ACTION_SCHEMA narrowed to the current state: item ids are the task's, subagent
     ids the ones that exist, ``n`` at most the concurrency cap; ``solve`` (on the items
     whose inputs are known and whose answer is not) only when ``view["solve"]`` says
@@ -161,6 +175,18 @@ def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool
     ``no_duplicate`` (with ``effective``; ``env.swarm.no_duplicate_work``) also leaves out
     work that duplicates work already delegated: solve only on items no subagent holds or
     answered, and spawn at most one subagent per delegated item.
+
+    ``spawn_n="width"`` (with ``no_duplicate``; ``env.swarm.spawn_n``) fixes a spawn's ``n``
+    to the widest dependency level it delegates; ``spawn_profile`` other than ``"choose"``
+    (``env.swarm.spawn_profile``) fixes its profile. Both take a choice away whose wrong
+    values only lose (an idle or serialised subagent, a profile that errs), so that the
+    policy's exploration goes to the decisions that depend on the task: delegate or
+    solve, and how many dependency levels.
+
+    ``auto_answer`` (``env.swarm.auto_answer``: what subagents and solves found is the
+    answer, finish's entries only fill gaps) leaves the answered items out of finish's
+    answer: an entry for one would be overwritten, and a greedy small policy spells such
+    entries out to the length limit, past ``max_new_tokens``.
     """
     items = [it["id"] for it in view["items"]]
     agents = len(view.get("subagents", []))
@@ -177,7 +203,8 @@ def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool
                  "replan": {"scope": {"type": "string", "enum": list(REPLAN_SCOPES)}}}
     if props["spawn"] is not None:
         subtasks = props["spawn"]["subtasks"] if "subtasks" in props["spawn"] else props["spawn"]
-        props["spawn"] = {"n": n, "profile": {"type": "string", "enum": list(PROFILE_NAMES)}, "subtasks": subtasks}
+        profiles = list(PROFILE_NAMES) if spawn_profile == "choose" else [spawn_profile]
+        props["spawn"] = {"n": n, "profile": {"type": "string", "enum": profiles}, "subtasks": subtasks}
     if not view.get("solve"):  # solve does the orchestrator's own lookups item by item; raw calls add nothing
         props["tool_call"] = {"tool": {"type": "string", "enum": list(TOOLS)}, "args": _TOOL_ARGS}
     ready = _ready(view) if view.get("solve") else []
@@ -185,7 +212,8 @@ def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool
     if lean:
         ready = [i for i in ready if i not in _live(view)]
     props["solve"] = {"subtask": {"type": "string", "enum": ready}} if ready else None
-    props["finish"] = {"answer": {"type": "object", "properties": {i: value for i in items},
+    open_items = [i for i in items if i not in view.get("results", {})] if auto_answer else items
+    props["finish"] = {"answer": {"type": "object", "properties": {i: value for i in open_items},
                                   "additionalProperties": False}}
     order = ("spawn", "assign", "join", "tool_call", "replan", "solve", "finish")
     variants = []
@@ -193,7 +221,7 @@ def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool
         if props.get(k) is None:
             continue
         if k == "spawn" and lean:
-            variants.extend(_one_per_item_spawns(view, props[k]))
+            variants.extend(_one_per_item_spawns(view, props[k], width_n=spawn_n == "width"))
         else:
             variants.append(_variant(k, props[k], list(props[k])))
     return {"anyOf": variants}

@@ -31,8 +31,10 @@ class ModelPolicy:
 
     def __init__(self, client: LLMClient, tokenizer: Any, *, temperature: float = 1.0, max_new_tokens: int = 96,
                  constrained: bool = True, task_schema: bool = False, compact: bool = False,
-                 effective_actions: bool = False, no_duplicate_work: bool = False):
+                 effective_actions: bool = False, no_duplicate_work: bool = False, spawn_n: str = "choose",
+                 spawn_profile: str = "choose", auto_answer: bool = False):
         self.client, self.tokenizer = client, tokenizer
+        self.spawn_n, self.spawn_profile, self.auto_answer = spawn_n, spawn_profile, auto_answer
         self.effective_actions, self.no_duplicate_work = effective_actions, no_duplicate_work
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.constrained, self.task_schema = constrained, task_schema
@@ -56,7 +58,9 @@ class ModelPolicy:
         if not self.constrained:
             return None
         if self.task_schema:
-            return action_schema_for(obs.view, effective=self.effective_actions, no_duplicate=self.no_duplicate_work)
+            return action_schema_for(obs.view, effective=self.effective_actions, no_duplicate=self.no_duplicate_work,
+                                     spawn_n=self.spawn_n, spawn_profile=self.spawn_profile,
+                                     auto_answer=self.auto_answer)
         return ACTION_SCHEMA_SOLVE if obs.view.get("solve") else ACTION_SCHEMA
 
     def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
@@ -74,5 +78,7 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
                            max_new_tokens=cfg.env.max_new_tokens, constrained=cfg.env.swarm.action_schema,
                            task_schema=cfg.env.swarm.task_schema, compact=cfg.env.swarm.prompt in ("compact", "shape", "graph"),
                            effective_actions=cfg.env.swarm.effective_actions,
-                           no_duplicate_work=cfg.env.swarm.no_duplicate_work)
+                           no_duplicate_work=cfg.env.swarm.no_duplicate_work,
+                           spawn_n=cfg.env.swarm.spawn_n, spawn_profile=cfg.env.swarm.spawn_profile,
+                           auto_answer=cfg.env.swarm.auto_answer)
     return make_baseline(name, cfg)

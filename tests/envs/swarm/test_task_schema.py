@@ -195,6 +195,8 @@ def test_no_duplicate_schema_compiles_with_xgrammar(tiny_model_dir):
 
     backend = GrammarBackend.from_pretrained(tiny_model_dir)
     assert backend.compile({"json_schema": json.dumps(action_schema_for(MIXED_VIEW, effective=True, no_duplicate=True))})
+    assert backend.compile({"json_schema": json.dumps(action_schema_for(
+        MIXED_VIEW, effective=True, no_duplicate=True, spawn_n="width", spawn_profile="large"))})
 
 
 def test_no_duplicate_work_reaches_the_model_policy():
@@ -203,3 +205,54 @@ def test_no_duplicate_work_reaches_the_model_policy():
     from aflow_rl.envs.swarm.policies import make_policy
     policy = make_policy(cfg, client=ScriptedLLM(["{}"]), tokenizer=FakeTokenizer())
     assert policy.no_duplicate_work and _kinds(policy.schema(type("O", (), {"view": MIXED_VIEW})())).count("spawn") == 3
+
+
+def test_spawn_n_width_and_spawn_profile_fix_what_only_loses():
+    # Options: [c0h0, c1h0] (width 2), + c0h1 (levels 0-1: width 2), + sum (width 2); cap 4.
+    lean = action_schema_for(MIXED_VIEW, effective=True, no_duplicate=True, spawn_n="width", spawn_profile="large")
+    spawns = [v for v in lean["anyOf"] if v["properties"]["action"]["enum"] == ["spawn"]]
+    assert [v["properties"]["n"]["enum"] for v in spawns] == [[2], [2], [2]]
+    jsonschema.validate({"action": "spawn", "n": 2, "profile": "large", "subtasks": ["c0h0", "c1h0", "c0h1"]}, lean)
+    for bad in ({"action": "spawn", "n": 3, "profile": "large", "subtasks": ["c0h0", "c1h0", "c0h1"]},  # one idles
+                {"action": "spawn", "n": 1, "profile": "large", "subtasks": ["c0h0", "c1h0"]},          # serialises
+                {"action": "spawn", "n": 2, "profile": "small", "subtasks": ["c0h0", "c1h0"]}):         # fixed profile
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, lean)
+    # the width is capped by the concurrency cap, and counts the widest level delegated, not the items
+    wide = {**MIXED_VIEW, "max_concurrent": 3, "items": [{"id": f"w{i}", "deps": []} for i in range(5)]}
+    (one,) = [v for v in action_schema_for(wide, effective=True, no_duplicate=True, spawn_n="width")["anyOf"]
+              if v["properties"]["action"]["enum"] == ["spawn"]]
+    assert one["properties"]["n"]["enum"] == [3] and one["properties"]["profile"]["enum"] == ["small", "medium", "large"]
+    chain = {**MIXED_VIEW, "items": [{"id": "h0", "deps": []}, {"id": "h1", "deps": ["h0"]}, {"id": "h2", "deps": ["h1"]}]}
+    assert {v["properties"]["n"]["enum"][0] for v in action_schema_for(chain, effective=True, no_duplicate=True,
+                                                                        spawn_n="width")["anyOf"]
+            if v["properties"]["action"]["enum"] == ["spawn"]} == {1}
+
+
+def test_spawn_n_width_needs_the_lean_grammar_and_reaches_the_model_policy():
+    from aflow_rl.config import ConfigError
+    from aflow_rl.envs.swarm.policies import make_policy
+
+    with pytest.raises(ConfigError, match="no_duplicate_work=true"):
+        load_config(None, ["env.swarm.spawn_n=width"])
+    with pytest.raises(ConfigError, match="task_schema=true"):
+        load_config(None, ["env.swarm.spawn_profile=large"])
+    cfg = load_config(None, ["env.swarm.task_schema=true", "env.swarm.effective_actions=true",
+                             "env.swarm.no_duplicate_work=true", "env.swarm.solve_action=true",
+                             "env.swarm.spawn_n=width", "env.swarm.spawn_profile=large"])
+    policy = make_policy(cfg, client=ScriptedLLM(["{}"]), tokenizer=FakeTokenizer())
+    spawn = _variant(policy.schema(type("O", (), {"view": MIXED_VIEW})()), "spawn")
+    assert spawn["properties"]["n"]["enum"] == [2] and spawn["properties"]["profile"]["enum"] == ["large"]
+
+
+def test_auto_answer_leaves_answered_items_out_of_finish():
+    view = {**MIXED_VIEW, "results": {"c0h0": "4", "c1h0": "Tolmar"}}
+    finish = _variant(action_schema_for(view, effective=True, auto_answer=True), "finish")["properties"]["answer"]
+    assert sorted(finish["properties"]) == ["c0h1", "sum"] and finish["additionalProperties"] is False
+    jsonschema.validate({"action": "finish", "answer": {"sum": "12"}}, action_schema_for(view, auto_answer=True))
+    with pytest.raises(jsonschema.ValidationError):   # c0h0 is answered: its entry would be overwritten anyway
+        jsonschema.validate({"action": "finish", "answer": {"c0h0": "4"}}, action_schema_for(view, auto_answer=True))
+    everything = {**view, "results": {i["id"]: "1" for i in MIXED_VIEW["items"]}}
+    assert _variant(action_schema_for(everything, auto_answer=True), "finish")["properties"]["answer"]["properties"] == {}
+    # without auto_answer the finish carries the answer, so every item stays offered
+    assert len(_variant(action_schema_for(view), "finish")["properties"]["answer"]["properties"]) == 4
