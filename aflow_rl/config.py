@@ -136,8 +136,8 @@ class SwarmEnvConfig:
     max_wall_s: float = _f(120.0, "Wall-clock budget per episode.")
     subtask_retries: int = _f(1, "Automatic retries of a failed subtask.")
     format_penalty: float = _f(-0.1, "Reward added for each unparseable or invalid action.")
-    policy: Literal["model", "single", "heuristic", "bandit"] = _f(
-        "model", "Orchestrator: model (policy server) | single | heuristic | bandit (baselines, no server).")
+    policy: Literal["model", "single", "heuristic", "bandit", "adaptive"] = _f(
+        "model", "Orchestrator: model (policy server) | single | heuristic | bandit (baselines, no server) | adaptive (structure-aware reference rule: the headroom over the baselines).")
     action_schema: bool = _f(True, "Constrain model turns with the action JSON schema (false: free text).")
     task_schema: bool = _f(False, "Narrow the action schema each turn to the task's item ids, existing subagents and the cap.")
     effective_actions: bool = _f(False, "With task_schema: the grammar admits only actions that change the state (spawn delegates whole dependency levels of unplanned items in order; join only while work is queued; replan only on failed or queued work; finish alone once all is answered).")

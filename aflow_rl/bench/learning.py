@@ -10,8 +10,9 @@ trains the orchestrator through the real entry point, ``python train.py
 CONFIG run.dir=OUT/<estimator> algo.adv_estimator=<estimator>``, on the
 recipe's task mixture (wide tasks reward parallel subagents, deep chains
 reward serial work, mixed ones a bit of both). Then every policy, the final
-checkpoint of each run (greedy) and the single, heuristic and bandit
-baselines, plays the same held-out tasks, suite by suite, under the recipe's
+checkpoint of each run (greedy), the single, heuristic and bandit
+baselines, and the ``adaptive`` reference rule (it reads the task's structure:
+the headroom over the baselines, not part of the verdict) play the same held-out tasks, suite by suite, under the recipe's
 environment, and is judged by one objective they all share:
 
     objective = item_f1 - c * critical_steps        (c = env.swarm.latency_coef)
@@ -53,7 +54,8 @@ from aflow_rl.bench.swarm import EVAL_RESET, format_pressure, parse_pressure, pr
 from aflow_rl.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASELINES = ("single", "heuristic", "bandit")
+BASELINES = ("single", "heuristic", "bandit")    # what the trained policy must beat (the goal's verdict)
+REFERENCES = ("adaptive",)   # a structure-aware rule, reported beside them: the headroom there is to find
 SUITES = ("wide", "deep", "mixed")
 WIDE_F1_TOLERANCE = 0.05
 REPORTED = ("item_f1", "success", "critical_steps", "objective", "spawn_count", "solved_self", "invalid_actions")
@@ -205,7 +207,7 @@ def evaluate(runs: list[dict], config: str, sets: list[str], suites: list[str], 
     held_out = lambda t: _fingerprint(t) not in seen  # noqa: E731
     rows = []
     for seed in seeds:
-        base = run_bench(list(BASELINES), suites, n, seed, sets, config=config, task_filter=held_out)["rows"]
+        base = run_bench(list(BASELINES + REFERENCES), suites, n, seed, sets, config=config, task_filter=held_out)["rows"]
         rows += [{**r, "seed": seed} for r in base]
         for run in runs:
             out = run_bench([f"model:{run['checkpoint']}"], suites, n, seed, sets + [f"env.temperature={temperature}"],
@@ -301,7 +303,7 @@ def plot(curves: dict[str, list[dict]], summary: dict, path: str) -> str:
             for col, x in enumerate(("step", "wall_s")):
                 axes[row][col].plot([p[x] for p in curve], [p[key] for p in curve], label=est, lw=1.2)
     suites = [s for s in SUITES if s in summary]
-    for i, b in enumerate(BASELINES):
+    for i, b in enumerate(BASELINES + REFERENCES):
         vals = [summary[s][b]["objective"] for s in suites if b in summary[s]]
         if vals:
             for col in (0, 1):
@@ -383,7 +385,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "held_out": {"training_tasks": len(seen), "eval_tasks_replaced": replaced}}
     if args.pressure:
         key, values = parse_pressure(args.pressure)
-        policies = list(BASELINES) + [f"model:{r['checkpoint']}" for r in runs]
+        policies = list(BASELINES + REFERENCES) + [f"model:{r['checkpoint']}" for r in runs]
         result["pressure"] = pressure_sweep(policies, args.suites, args.eval_n, args.eval_seeds[0], key, values,
                                             args.set + [f"env.temperature={args.eval_temperature}"], args.config)
     return result

@@ -1,6 +1,6 @@
 """Swarm environment benchmark: orchestrator policies on seeded tasks, one table of episode metrics.
 
-    python -m aflow_rl.bench.swarm --policy single|heuristic|bandit|model:PATH --suite wide|deep|mixed
+    python -m aflow_rl.bench.swarm --policy single|heuristic|bandit|adaptive|model:PATH --suite wide|deep|mixed
                                    --n N --seed S [--json OUT] [--set env.swarm.max_items=8 ...]
                                    [--config configs/learning.yaml] [--pressure env.swarm.max_tokens=20000,5000,2500]
 
@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     for p in policies:
-        if p not in ("single", "heuristic", "bandit") and not (p.startswith("model:") and len(p) > 6):
-            ap.error(f"--policy: {p!r} is not single, heuristic, bandit or model:PATH")
+        if p not in ("single", "heuristic", "bandit", "adaptive") and not (p.startswith("model:") and len(p) > 6):
+            ap.error(f"--policy: {p!r} is not single, heuristic, bandit, adaptive or model:PATH")
     for s in suites:
         if s not in SUITES:
             ap.error(f"--suite: {s!r} is not one of {', '.join(SUITES)}")

@@ -9,11 +9,18 @@
   profile: UCB1 over the arms single / parallel-{small, medium, large}, one
   bandit per context (suite, size bucket), rewarded with
   ``item_f1 - bandit_latency_coef * critical_steps``.
+- ``Adaptive`` is a reference, not a rule users run: it reads the task's
+  structure, works it alone when its own tool budget covers every lookup
+  (deep chains), and otherwise fans the lookups out to one large subagent per
+  parallel item and computes the aggregates itself (wide and mixed tasks). It
+  measures how much a policy that conditions on the task can gain over the
+  fixed rules above, i.e. the headroom the learning benchmark asks a trained
+  policy to find.
 - ``SpawnHack`` is an adversary, not a baseline to beat: it spawns the most
   subagents it may every turn and never lets a subtask run, the "meaningless
   spawning" that PARL's r_finish exists to make unprofitable.
 
-All four read only the observation's structured view (never the gold
+All of them read only the observation's structured view (never the gold
 answers) and are deterministic given the task and the episode's seed; the
 bandit's choices also depend on the episodes it has seen in this process.
 """
@@ -25,7 +32,7 @@ from typing import Any
 from aflow_rl.envs.swarm.actions import Action
 from aflow_rl.envs.swarm.observation import Observation
 from aflow_rl.envs.swarm.decision import Decision, rule_decision
-from aflow_rl.envs.swarm.tasks import topological_order
+from aflow_rl.envs.swarm.tasks import task_width, tool_steps, topological_order
 
 _TOKEN_RESERVE = 0.9  # rule policies finish once this fraction of the token budget is spent
 
@@ -142,6 +149,61 @@ class Heuristic:
         return _finish(obs, results)
 
 
+class Adaptive:
+    """Works a task alone when its own budgets cover it, else delegates the lookups and sums itself.
+
+    Serial when every tool call the task needs fits the orchestrator's own tool
+    calls and turns (a subagent per hop only adds orchestration steps); otherwise
+    one ``large`` subagent per item of the widest level takes all the lookup items
+    (chains stay whole: a subagent works its queue in order), a join collects them,
+    and the orchestrator computes the ``op`` items from their answers with its own
+    calc calls, which costs one tool step instead of another subagent wave.
+    """
+
+    name = "adaptive"
+
+    def __init__(self) -> None:
+        self._single = SingleAgent()
+
+    def begin_episode(self, task: dict) -> None:
+        pass
+
+    def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
+        pass
+
+    @staticmethod
+    def fits_alone(v: dict) -> bool:
+        """Whether the whole task fits the own tool-call and turn budgets (decided on the first turn)."""
+        need = sum(tool_steps(it) for it in v["items"])
+        return need <= min(v["max_tool_calls"], v["max_steps"] - 1)
+
+    async def act(self, obs: Observation) -> Decision:
+        v = obs.view
+        if not v["subtasks"] and (v["step"] > 0 or self.fits_alone(v)):
+            return await self._single.act(obs)   # serial from the first turn: stay serial
+        results = dict(v["results"])
+        if _out_of_budget(v) or all(it["id"] in results for it in v["items"]):
+            return _finish(obs, results)
+        if any(g["queue"] for g in v["subagents"]):
+            return rule_decision(obs, Action("join", ids=()))
+        lookups = [it for it in topological_order(v["items"]) if "op" not in it]
+        if not v["subtasks"]:
+            n = min(task_width(lookups), v["max_concurrent"])
+            return rule_decision(obs, Action("spawn", n=n, profile="large",
+                                             subtasks=tuple(it["id"] for it in lookups)))
+        calcs = {n["args"]["expr"]: n for n in v["notes"] if n["tool"] == "calc"}
+        for item in topological_order(v["items"]):
+            if "op" not in item or item["id"] in results or not all(d in results for d in item["deps"]):
+                continue
+            expr = " + ".join(results[d] for d in item["deps"])
+            note = calcs.get(expr)
+            if note is None:
+                return rule_decision(obs, Action("tool_call", tool="calc", args={"expr": expr}))
+            if note["ok"]:
+                results[item["id"]] = note["result"]
+        return _finish(obs, results)
+
+
 class SpawnHack:
     """Adversarial baseline: PARL's "meaningless spawning" hack of r_parallel (never a real orchestrator).
 
@@ -240,6 +302,8 @@ def make_baseline(name: str, cfg: Any) -> Any:
         return SingleAgent()
     if name == "heuristic":
         return Heuristic()
+    if name == "adaptive":
+        return Adaptive()
     if name == "bandit":
         return Bandit(latency_coef=cfg.env.swarm.bandit_latency_coef, ucb_c=cfg.env.swarm.bandit_ucb_c)
-    raise ValueError(f"env.swarm.policy: unknown policy {name!r}; choose model, single, heuristic or bandit")
+    raise ValueError(f"env.swarm.policy: unknown policy {name!r}; choose model, single, heuristic, bandit or adaptive")

@@ -21,7 +21,7 @@ from aflow_rl.envs.swarm.observation import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT
 from aflow_rl.llm.base import LLMClient
 from aflow_rl.rollout.turns import generate_turn
 
-POLICIES = ("model", "single", "heuristic", "bandit")
+POLICIES = ("model", "single", "heuristic", "bandit", "adaptive")
 
 
 class ModelPolicy:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from aflow_rl.config import load_config
-from aflow_rl.envs.swarm.baselines import ARMS, Bandit, Heuristic, SingleAgent
+from aflow_rl.envs.swarm.baselines import ARMS, Adaptive, Bandit, Heuristic, SingleAgent
 from aflow_rl.envs.swarm.episode import run_swarm_episode
 from aflow_rl.envs.swarm.policies import make_policy
 from aflow_rl.envs.swarm.tasks import make_tasks
@@ -87,6 +87,28 @@ def test_bandit_keeps_concurrent_episodes_apart():
     trajs = asyncio.run(together())
     assert all(t.metrics["invalid_actions"] == 0 and t.info["termination"] == "finish" for t in trajs)
     assert sum(sum(c) for c in bandit.counts.values()) == 8 and bandit._open == {}
+
+
+def test_adaptive_reference_matches_the_right_rule_per_suite_and_gains_on_mixed():
+    """The headroom reference: serial on deep (as single), the heuristic's fan-out on wide, and on mixed
+    fan-out of the chains with the sum computed itself: every item answered, fewer critical steps than
+    the heuristic (whose second subagent wave for the sum costs a spawn, a join and a wait)."""
+    over = ["env.swarm.max_tool_calls=8", "env.swarm.max_steps=10", "env.swarm.solve_action=true"]
+    for suite, items in (("wide", "[6, 10]"), ("deep", "[3, 6]"), ("mixed", "[4, 10]")):
+        cfg = load_config(None, over + [f"env.swarm.suite={suite}", f"env.swarm.item_range.{suite}={items}"])
+        tasks = make_tasks(cfg, 12, seed=3)
+        adaptive, heur, single = (run(cfg, p, tasks) for p in (Adaptive(), Heuristic(), SingleAgent()))
+        assert all(t.metrics["invalid_actions"] == 0 and t.info["termination"] == "finish" for t in adaptive)
+        assert mean(adaptive, "item_f1") == 1.0
+        if suite == "deep":
+            assert mean(adaptive, "spawn_count") == 0
+            assert mean(adaptive, "critical_steps") == mean(single, "critical_steps")
+        elif suite == "wide":
+            assert mean(adaptive, "critical_steps") == mean(heur, "critical_steps")
+        else:
+            assert mean(adaptive, "critical_steps") < mean(heur, "critical_steps") - 1.0
+            assert 0 < mean(adaptive, "spawn_count") < mean(heur, "spawn_count")
+    assert make_policy(load_config(None, ["env.swarm.policy=adaptive"])).name == "adaptive"
 
 
 def test_unknown_policy_name():
