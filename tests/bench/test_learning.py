@@ -69,8 +69,10 @@ def test_smoke_trains_both_estimators_and_evaluates_held_out(tmp_path, tiny_mode
         assert [p["step"] for p in curve] == [1, 2] and curve[1]["wall_s"] > curve[0]["wall_s"] > 0
         assert all(set(p) >= {"reward", "objective", "item_f1", "critical_steps"} for p in curve)
     policies = {(r["policy"], r["suite"]) for r in data["rows"]}
-    assert policies == {(p, s) for p in ("single", "heuristic", "bandit", "trained-grpo", "trained-gigpo")
-                        for s in ("wide", "deep", "mixed")}
+    assert policies == {(p, s) for p in ("single", "heuristic", "bandit", "adaptive", "trained-grpo",
+                                         "trained-gigpo") for s in ("wide", "deep", "mixed")}
+    # the adaptive reference is reported, never part of the goal's verdict
+    assert set(data["verdicts"]["trained-grpo"]["mixed"]["vs"]) == {"single", "heuristic", "bandit"}
     c = data["objective"]["c"]
     for r in data["rows"]:
         assert r["n"] == 3 and r["objective_coef"] == c
