@@ -149,6 +149,7 @@ class SwarmEnvConfig:
     no_duplicate_work: bool = _f(False, "With effective_actions: solve only items no subagent holds or answered, and spawn at most one subagent per delegated item.")
     spawn_n: Literal["choose", "width"] = _f("choose", "With no_duplicate_work: choose (the policy picks a spawn's n, 1..items delegated) | width (the grammar fixes n to the widest dependency level delegated: one subagent per item that can run at once).")
     spawn_profile: Literal["choose", "small", "medium", "large"] = _f("choose", "With task_schema: choose (the policy picks a spawn's profile) | small | medium | large (the grammar fixes it; large never reports a wrong answer, the heuristic's rule).")
+    delegate_ops: bool = _f(True, "With effective_actions: false keeps op items (sums of other items' answers) out of spawns while the orchestrator has a tool call and a turn left (its own solve computes one with a single calc; a subagent adds a spawn, a wave and a join).")
     solve_action: bool = _f(False, "Offer the action {\"action\":\"solve\",\"subtask\":ID}: the orchestrator works an item itself, one main step and one tool call per lookup (serial work).")
     mix: list[str] = _f([], "Suites of a mixed task distribution, e.g. [wide, deep, mixed]: each task draws its suite (empty: suite alone).")
     curriculum: list[int] = _f([], "Curriculum over mix: the optimizer step at which each suite of mix joins the draw (same length as mix, first 0; e.g. [0, 40, 80] for wide -> deep -> mixed). Empty: all from step 0.")
@@ -699,6 +700,9 @@ def _validate_task_mix(sw: SwarmEnvConfig) -> None:
     if sw.spawn_n == "width" and not (sw.task_schema and sw.effective_actions and sw.no_duplicate_work):
         raise ConfigError("env.swarm.spawn_n=width narrows the spawns of the per-state grammar: set "
                           "env.swarm.task_schema=true effective_actions=true no_duplicate_work=true, or spawn_n=choose")
+    if not sw.delegate_ops and not (sw.task_schema and sw.effective_actions):
+        raise ConfigError("env.swarm.delegate_ops=false narrows the spawns of the per-state grammar: set "
+                          "env.swarm.task_schema=true effective_actions=true, or delegate_ops=true")
     if sw.spawn_profile != "choose" and not sw.task_schema:
         raise ConfigError(f"env.swarm.spawn_profile={sw.spawn_profile} is enforced by the per-state grammar: set "
                           "env.swarm.task_schema=true, or spawn_profile=choose")

@@ -98,19 +98,35 @@ def _ready(view: dict) -> list[str]:
             and need(it) <= min(calls_left, turns_left)]
 
 
-def _level_prefixes(view: dict) -> dict:
-    """Spawn's subtasks under ``effective``: the unplanned items of the first L dependency levels,
-    L >= 1, in order (each option an exact array)."""
-    depth, todo = _depths(view["items"]), _unplanned(view)
+def _delegable(view: dict, delegate_ops: bool = True) -> list[str]:
+    """The unplanned items a spawn may hand out. Without ``delegate_ops``, an ``op`` item (a sum of
+    other items' answers) stays with the orchestrator while it has a tool call and a turn left:
+    its own solve computes it with one calc once the inputs are in, where a subagent costs a spawn,
+    another wave and a join for the same calc."""
+    todo = _unplanned(view)
+    if delegate_ops:
+        return todo
+    calls_left = view.get("max_tool_calls", 1 << 30) - view.get("tool_calls", 0)
+    turns_left = view.get("max_steps", 1 << 30) - view.get("step", 0)
+    if min(calls_left, turns_left) < 1:
+        return todo
+    ops = {it["id"] for it in view["items"] if "op" in it}
+    return [i for i in todo if i not in ops]
+
+
+def _level_prefixes(view: dict, todo: list[str]) -> dict:
+    """Spawn's subtasks under ``effective``: the items ``todo`` (delegable, in dependency order) of the
+    first L dependency levels, L >= 1, in order (each option an exact array)."""
+    depth = _depths(view["items"])
     options = [todo[:k] for k in range(1, len(todo) + 1) if k == len(todo) or depth[todo[k]] != depth[todo[k - 1]]]
     arrays = [{"type": "array", "prefixItems": [{"const": i} for i in o], "items": False, "minItems": len(o)}
               for o in options]
     return arrays[0] if len(arrays) == 1 else {"anyOf": arrays}
 
 
-def _effective_variants(view: dict) -> dict[str, dict | None]:
+def _effective_variants(view: dict, delegate_ops: bool = True) -> dict[str, dict | None]:
     """spawn / assign / join / replan restricted to what changes the state (None: not offered)."""
-    todo, live = _unplanned(view), _live(view)
+    todo, live, delegable = _unplanned(view), _live(view), _delegable(view, delegate_ops)
     items = {it["id"]: it for it in view["items"]}
     active = [g["id"] for g in view.get("subagents", []) if not g.get("retired")]
     agent_id = {"type": "integer", "enum": active}
@@ -120,7 +136,7 @@ def _effective_variants(view: dict) -> dict[str, dict | None]:
     queued = any(g.get("queue") for g in view.get("subagents", []))
     scopes = (["failed"] if failed else []) + (["remaining", "all"] if queued else [])
     return {
-        "spawn": _level_prefixes(view) if todo else None,
+        "spawn": _level_prefixes(view, delegable) if delegable else None,
         "assign": {"subagent": agent_id, "subtask": {"type": "string", "enum": plannable}}
         if active and plannable else None,
         "join": {"ids": {"type": "array", "items": agent_id, "maxItems": len(active)}} if queued else None,
@@ -150,7 +166,8 @@ def _one_per_item_spawns(view: dict, spawn: dict, *, width_n: bool = False) -> l
 
 
 def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool = False,
-                      spawn_n: str = "choose", spawn_profile: str = "choose", auto_answer: bool = False) -> dict:
+                      spawn_n: str = "choose", spawn_profile: str = "choose", auto_answer: bool = False,
+                      delegate_ops: bool = True) -> dict:
     """ACTION_SCHEMA narrowed to the current state: item ids are the task's, subagent
     ids the ones that exist, ``n`` at most the concurrency cap; ``solve`` (on the items
     whose inputs are known and whose answer is not) only when ``view["solve"]`` says
@@ -183,6 +200,9 @@ def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool
     policy's exploration goes to the decisions that depend on the task: delegate or
     solve, and how many dependency levels.
 
+    ``delegate_ops=False`` (with ``effective``; ``env.swarm.delegate_ops``) keeps ``op`` items
+    (sums) out of spawns while the orchestrator can still compute them itself: ``_delegable``.
+
     ``auto_answer`` (``env.swarm.auto_answer``: what subagents and solves found is the
     answer, finish's entries only fill gaps) leaves the answered items out of finish's
     answer: an entry for one would be overwritten, and a greedy small policy spells such
@@ -195,7 +215,7 @@ def action_schema_for(view: dict, *, effective: bool = False, no_duplicate: bool
     n = {"type": "integer", "minimum": 1, "maximum": max(1, int(view["max_concurrent"]))}
     value = {"type": "string", "maxLength": MAX_VALUE_CHARS}
     if effective:
-        props = _effective_variants(view)
+        props = _effective_variants(view, delegate_ops)
     else:
         props = {"spawn": {"subtasks": {"type": "array", "items": item, "minItems": 1, "maxItems": len(items)}},
                  "assign": {"subagent": agent_id, "subtask": item} if agents else None,

@@ -32,8 +32,9 @@ class ModelPolicy:
     def __init__(self, client: LLMClient, tokenizer: Any, *, temperature: float = 1.0, max_new_tokens: int = 96,
                  constrained: bool = True, task_schema: bool = False, compact: bool = False,
                  effective_actions: bool = False, no_duplicate_work: bool = False, spawn_n: str = "choose",
-                 spawn_profile: str = "choose", auto_answer: bool = False):
+                 spawn_profile: str = "choose", auto_answer: bool = False, delegate_ops: bool = True):
         self.client, self.tokenizer = client, tokenizer
+        self.delegate_ops = delegate_ops
         self.spawn_n, self.spawn_profile, self.auto_answer = spawn_n, spawn_profile, auto_answer
         self.effective_actions, self.no_duplicate_work = effective_actions, no_duplicate_work
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
@@ -60,7 +61,7 @@ class ModelPolicy:
         if self.task_schema:
             return action_schema_for(obs.view, effective=self.effective_actions, no_duplicate=self.no_duplicate_work,
                                      spawn_n=self.spawn_n, spawn_profile=self.spawn_profile,
-                                     auto_answer=self.auto_answer)
+                                     auto_answer=self.auto_answer, delegate_ops=self.delegate_ops)
         return ACTION_SCHEMA_SOLVE if obs.view.get("solve") else ACTION_SCHEMA
 
     def end_episode(self, task: dict, metrics: dict[str, float], rewards: dict[str, float]) -> None:
@@ -80,5 +81,5 @@ def make_policy(cfg: Any, *, client: LLMClient | None = None, tokenizer: Any = N
                            effective_actions=cfg.env.swarm.effective_actions,
                            no_duplicate_work=cfg.env.swarm.no_duplicate_work,
                            spawn_n=cfg.env.swarm.spawn_n, spawn_profile=cfg.env.swarm.spawn_profile,
-                           auto_answer=cfg.env.swarm.auto_answer)
+                           auto_answer=cfg.env.swarm.auto_answer, delegate_ops=cfg.env.swarm.delegate_ops)
     return make_baseline(name, cfg)

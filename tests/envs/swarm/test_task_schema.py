@@ -256,3 +256,32 @@ def test_auto_answer_leaves_answered_items_out_of_finish():
     assert _variant(action_schema_for(everything, auto_answer=True), "finish")["properties"]["answer"]["properties"] == {}
     # without auto_answer the finish carries the answer, so every item stays offered
     assert len(_variant(action_schema_for(view), "finish")["properties"]["answer"]["properties"]) == 4
+
+
+def test_delegate_ops_false_keeps_sums_for_the_orchestrator_while_it_can_compute_them():
+    from aflow_rl.config import ConfigError
+    from aflow_rl.envs.swarm.policies import make_policy
+
+    view = {**MIXED_VIEW, "items": [*MIXED_VIEW["items"][:3], {"id": "sum", "deps": ["c0h1", "c1h0"], "op": "sum"}],
+            "max_tool_calls": 8, "tool_calls": 0, "max_steps": 10, "step": 0}
+
+    def options(v, **kw):
+        spawns = [s for s in action_schema_for(v, effective=True, no_duplicate=True, spawn_n="width", **kw)["anyOf"]
+                  if s["properties"]["action"]["enum"] == ["spawn"]]
+        return [[p["const"] for p in s["properties"]["subtasks"]["prefixItems"]] for s in spawns]
+
+    assert options(view) == [["c0h0", "c1h0"], ["c0h0", "c1h0", "c0h1"], ["c0h0", "c1h0", "c0h1", "sum"]]
+    assert options(view, delegate_ops=False) == [["c0h0", "c1h0"], ["c0h0", "c1h0", "c0h1"]]
+    # no tool call left: the orchestrator cannot compute the sum, so a subagent may take it after all
+    assert options({**view, "tool_calls": 8}, delegate_ops=False)[-1] == ["c0h0", "c1h0", "c0h1", "sum"]
+    # the chains are answered: no spawn is offered, the sum is the orchestrator's to solve
+    done = {**view, "results": {"c0h0": "3", "c0h1": "4", "c1h0": "5"},
+            "subtasks": [{"item": i, "status": "done"} for i in ("c0h0", "c0h1", "c1h0")]}
+    schema = action_schema_for(done, effective=True, no_duplicate=True, delegate_ops=False)
+    assert "spawn" not in _kinds(schema) and _variant(schema, "solve")["properties"]["subtask"]["enum"] == ["sum"]
+    with pytest.raises(ConfigError, match="effective_actions=true"):
+        load_config(None, ["env.swarm.delegate_ops=false"])
+    cfg = load_config(None, ["env.swarm.task_schema=true", "env.swarm.effective_actions=true",
+                             "env.swarm.solve_action=true", "env.swarm.delegate_ops=false"])
+    policy = make_policy(cfg, client=ScriptedLLM(["{}"]), tokenizer=FakeTokenizer())
+    assert not policy.delegate_ops and _kinds(policy.schema(type("O", (), {"view": view})())).count("spawn") == 1
