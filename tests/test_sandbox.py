@@ -48,7 +48,11 @@ def test_jail_works_for_an_interpreter_under_tmp(jail, tmp_path):
             "r = sandbox.run_python('import sys; print(sys.executable)')\n"
             "print(sandbox.isolation(), r.ok, r.stdout.strip())\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root}
+    # The venv's --system-site-packages is the base interpreter's, not this (possibly virtual) one's:
+    # hand it this interpreter's site-packages too, so psutil and the rest import on a fresh machine.
+    import site
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *site.getsitepackages()])}
     env.pop("AFLOW_SANDBOX", None)
     out = subprocess.run([str(venv / "bin" / "python"), "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
