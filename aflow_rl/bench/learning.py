@@ -11,9 +11,10 @@ CONFIG run.dir=OUT/<estimator> algo.adv_estimator=<estimator>``, on the
 recipe's task mixture (wide tasks reward parallel subagents, deep chains
 reward serial work, mixed ones a bit of both). Then every policy, the final
 checkpoint of each run (greedy), the single, heuristic and bandit
-baselines, and the ``adaptive`` reference rule (it reads the task's structure:
-the headroom over the baselines, not part of the verdict) play the same held-out tasks, suite by suite, under the recipe's
-environment, and is judged by one objective they all share:
+baselines, and the ``adaptive`` reference rule (it reads the task's
+structure: the headroom over the baselines, not part of the verdict) play
+the same held-out tasks, suite by suite, under the recipe's environment, and
+are judged by one objective they all share:
 
     objective = item_f1 - c * critical_steps        (c = env.swarm.latency_coef)
 
@@ -207,7 +208,8 @@ def evaluate(runs: list[dict], config: str, sets: list[str], suites: list[str], 
     held_out = lambda t: _fingerprint(t) not in seen  # noqa: E731
     rows = []
     for seed in seeds:
-        base = run_bench(list(BASELINES + REFERENCES), suites, n, seed, sets, config=config, task_filter=held_out)["rows"]
+        base = run_bench(list(BASELINES + REFERENCES), suites, n, seed, sets, config=config,
+                         task_filter=held_out)["rows"]
         rows += [{**r, "seed": seed} for r in base]
         for run in runs:
             out = run_bench([f"model:{run['checkpoint']}"], suites, n, seed, sets + [f"env.temperature={temperature}"],

@@ -47,6 +47,7 @@ import numpy as np
 from aflow_rl.bench import machine
 from aflow_rl.config import load_config
 from aflow_rl.envs.swarm.metrics import METRICS, task_objective
+from aflow_rl.envs.swarm.policies import POLICIES
 from aflow_rl.envs.swarm.tasks import SUITES, make_tasks
 from aflow_rl.rollout.types import REWARD_COMPONENTS, WorkerContext
 
@@ -216,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     for p in policies:
-        if p not in ("single", "heuristic", "bandit", "adaptive") and not (p.startswith("model:") and len(p) > 6):
-            ap.error(f"--policy: {p!r} is not single, heuristic, bandit, adaptive or model:PATH")
+        rules = [q for q in POLICIES if q != "model"]
+        if p not in rules and not (p.startswith("model:") and len(p) > 6):
+            ap.error(f"--policy: {p!r} is not {', '.join(rules)} or model:PATH")
     for s in suites:
         if s not in SUITES:
             ap.error(f"--suite: {s!r} is not one of {', '.join(SUITES)}")

@@ -87,15 +87,20 @@ def _unplanned(view: dict) -> list[str]:
     return sorted((it["id"] for it in view["items"] if it["id"] not in live), key=lambda i: depth[i])
 
 
+def _own_budget(view: dict) -> int:
+    """Tool steps the orchestrator can still take itself: the fewer of its tool calls and turns left."""
+    calls_left = view.get("max_tool_calls", 1 << 30) - view.get("tool_calls", 0)
+    turns_left = view.get("max_steps", 1 << 30) - view.get("step", 0)
+    return min(calls_left, turns_left)
+
+
 def _ready(view: dict) -> list[str]:
     """What solve can work on: items whose inputs are known, whose answer is not, and whose
     lookups fit the orchestrator's tool calls and turns left (``runtime._do_solve``'s rule)."""
-    known = view.get("results", {})
-    calls_left = view.get("max_tool_calls", 1 << 30) - view.get("tool_calls", 0)
-    turns_left = view.get("max_steps", 1 << 30) - view.get("step", 0)
+    known, budget = view.get("results", {}), _own_budget(view)
     need = lambda it: 1 if "op" in it else len(it.get("path", ()))  # noqa: E731 - tasks.tool_steps
     return [it["id"] for it in view["items"] if it["id"] not in known and all(d in known for d in it.get("deps", []))
-            and need(it) <= min(calls_left, turns_left)]
+            and need(it) <= budget]
 
 
 def _delegable(view: dict, delegate_ops: bool = True) -> list[str]:
@@ -104,11 +109,7 @@ def _delegable(view: dict, delegate_ops: bool = True) -> list[str]:
     its own solve computes it with one calc once the inputs are in, where a subagent costs a spawn,
     another wave and a join for the same calc."""
     todo = _unplanned(view)
-    if delegate_ops:
-        return todo
-    calls_left = view.get("max_tool_calls", 1 << 30) - view.get("tool_calls", 0)
-    turns_left = view.get("max_steps", 1 << 30) - view.get("step", 0)
-    if min(calls_left, turns_left) < 1:
+    if delegate_ops or _own_budget(view) < 1:
         return todo
     ops = {it["id"] for it in view["items"] if "op" in it}
     return [i for i in todo if i not in ops]
