@@ -71,6 +71,7 @@ class ServerConfig:
     context_length: int = _f(0, "Maximum prompt+output tokens (0: the model's max_position_embeddings).")
     max_batch_size: int = _f(64, "embedded: most sequences decoded together in one batch.")
     threads: int = _f(0, "embedded: torch CPU threads per server process (0: torch's default).")
+    device: str = _f("cpu", "embedded: cpu | cuda | cuda:N, where the weights, forwards and KV cache live (a frozen executor on a GPU beside the trainer, say); sampling and grammars stay on the CPU.")
     base_gpu_id: int = _f(0, "sglang: first GPU of this role; server i uses GPUs base_gpu_id + i*tp onwards.")
     extra_args: list[str] = _f([], "sglang: extra command-line arguments for launch_server.")
     router: bool = _f(False, "sglang: put the servers behind sglang_router and use its URL as the endpoint.")
@@ -553,6 +554,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"serving.{role}.urls: the external backend needs at least one URL")
         if server.num_servers < 1:
             raise ConfigError(f"serving.{role}.num_servers: must be at least 1")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", server.device):
+            raise ConfigError(f"serving.{role}.device: expected cpu, cuda or cuda:N, got {server.device!r}")
+        if server.device != "cpu" and server.backend != "embedded":
+            raise ConfigError(f"serving.{role}.device: only the embedded backend takes a device (SGLang servers "
+                              f"place themselves with tp and base_gpu_id); remove it or set backend: embedded")
     _validate_sync(cfg)
     if cfg.rollout.backend == "dask" and not cfg.rollout.dask_address:
         raise ConfigError("rollout.dask_address: the dask backend needs a scheduler address (tcp://host:8786)")

@@ -480,7 +480,7 @@ def _add_info_routes(app: FastAPI, srv: _Server, model_path: str) -> None:
                 "served_model_name": srv.served_model_name, "host": srv.host, "port": srv.port,
                 "context_length": engine.context_length, "max_running_requests": engine.max_batch_size,
                 "max_prefill_tokens": engine.max_prefill_tokens, "dtype": engine.dtype_name,
-                "threads": engine.threads, "random_seed": engine.random_seed, "device": "cpu",
+                "threads": engine.threads, "random_seed": engine.random_seed, "device": str(engine.device),
                 "grammar_backend": "xgrammar",
                 "constrained_json_disable_any_whitespace": not engine.grammar.any_whitespace,
                 "grammar_cache": engine.grammar.cache.stats(),
@@ -657,7 +657,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
     """Build the FastAPI app; loads the model now (or uses ``engine``) and runs it while the app lives.
 
     ``engine_kwargs`` go to :class:`~aflow_rl.serving.generation.Engine` (``dtype``,
-    ``max_batch_size``, ``context_length``, ``threads``, ``json_any_whitespace``, ``random_seed``);
+    ``max_batch_size``, ``context_length``, ``threads``, ``device``, ``json_any_whitespace``, ``random_seed``);
     ``limits`` bound each request; ``api_key``/``admin_api_key`` work as SGLang's flags.
     """
     engine = engine or Engine(model_path, **engine_kwargs)
@@ -701,6 +701,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="weights dtype; auto keeps bfloat16 checkpoints, else float32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cpu count))")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu | cuda | cuda:N: where the weights, forwards and KV live (SGLang's --device); "
+                         "sampling and grammars stay on the CPU")
     ap.add_argument("--served-model-name", default=None, help="model id in /v1 replies (default: the path)")
     ap.add_argument("--random-seed", type=int, default=None, help="seed of the shared sampling generator")
     ap.add_argument("--json-any-whitespace", action="store_true",
@@ -765,7 +768,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "--admin-api-key, update the weights); see docs/security.md", args.host)
     app = create_app(args.model_path, served_model_name=args.served_model_name, host=args.host, port=args.port,
                      limits=limits, api_key=args.api_key, admin_api_key=args.admin_api_key, dtype=args.dtype, max_batch_size=args.max_batch_size, context_length=args.context_length,
-                     threads=args.threads, json_any_whitespace=args.json_any_whitespace,
+                     threads=args.threads, device=args.device, json_any_whitespace=args.json_any_whitespace,
                      random_seed=args.random_seed, prefix_cache=not args.disable_radix_cache,
                      prefill_chunk=args.prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
                      weights_update_timeout_s=args.weights_update_timeout)

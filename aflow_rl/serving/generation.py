@@ -121,13 +121,30 @@ def resolve_dtype(name: str, config) -> torch.dtype:
     return torch.bfloat16 if str(declared).replace("torch.", "") == "bfloat16" else torch.float32
 
 
-def load_model(model_path: str, dtype: str = "auto"):
-    """Load a causal LM from a Hugging Face directory, in eval mode, on CPU."""
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``; a CUDA device this process cannot see is an error, not a fallback."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: this torch ({torch.__version__}) sees no CUDA GPU; "
+                             "use device cpu, or install a CUDA build of torch")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+def load_model(model_path: str, dtype: str = "auto", device: torch.device | str = "cpu"):
+    """Load a causal LM from a Hugging Face directory, in eval mode, on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype, config))
-    return model.eval()
+    return model.to(device).eval()
 
 
 def check_compatible(old_model, new_model) -> Optional[str]:
@@ -227,21 +244,25 @@ class Engine:
             (:mod:`aflow_rl.serving.prefix_cache`); outputs are identical either way.
         prefill_chunk: tokens per prefill forward, also the cache's granularity.
         prefix_cache_tokens: the cache's budget in tokens (LRU eviction beyond it).
+        device: where the weights, the forwards and the KV live: ``cpu`` | ``cuda`` | ``cuda:N``.
+            Scheduling, grammar masks and sampling stay on the CPU either way (the logits of a
+            step come back once, ``[B, V]``), so a sequence's tokens depend only on its logits.
     """
 
     def __init__(self, model_path: str, *, dtype: str = "auto", max_batch_size: int = 64,
                  context_length: Optional[int] = None, threads: Optional[int] = None,
                  json_any_whitespace: bool = False, random_seed: Optional[int] = None,
                  max_prefill_tokens: int = 16384, prefix_cache: bool = True, prefill_chunk: int = 32,
-                 prefix_cache_tokens: int = 65536):
+                 prefix_cache_tokens: int = 65536, device: str = "cpu"):
         from transformers import AutoTokenizer
 
+        self.device = resolve_device(device)
         self.threads = threads or min(2, os.cpu_count() or 1)
         torch.set_num_threads(self.threads)
         self.model_path = model_path
         self.dtype_name = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = load_model(model_path, dtype)
+        self.model = load_model(model_path, dtype, self.device)
         self.config = self.model.config
         # Prefill takes logits as lm_head(last hidden state) (only the rows it needs, see
         # _prefill_chunk); a model that rescales or caps its logits after that would be misreported.
@@ -329,7 +350,7 @@ class Engine:
     def update_weights_from_disk(self, model_path: str, weight_version: Optional[str],
                                  callback: Callable[[bool, str], None], abort_all: bool = False) -> None:
         """Swap in the weights of ``model_path`` (see :meth:`update_weights`)."""
-        self.update_weights(lambda: load_model(model_path, self.dtype_name), weight_version, callback,
+        self.update_weights(lambda: load_model(model_path, self.dtype_name, self.device), weight_version, callback,
                             abort_all=abort_all, source=model_path)
 
     def update_weights(self, load: Callable[[], Any], weight_version: Optional[str],
@@ -623,7 +644,8 @@ class Engine:
         if j:
             past = [(torch.cat([p.past[i][0] for p in plans]), torch.cat([p.past[i][1] for p in plans]))
                     for i in range(len(plans[0].past))]
-        out = self.model.base_model(input_ids=ids, position_ids=torch.arange(a, a + C).expand(B, C),
+        dev = self.device
+        out = self.model.base_model(input_ids=ids.to(dev), position_ids=torch.arange(a, a + C, device=dev).expand(B, C),
                                     past_key_values=self._make_cache(past), use_cache=True)
         self.stats["prefill_forwards"] += 1
         layers = out.past_key_values.layers
@@ -645,7 +667,7 @@ class Engine:
         # One row at a time: a matrix product rounds differently for one row than for several
         # (measured), and how many rows a round needs depends on what the cache held.
         head, hidden = self.model.get_output_embeddings(), out.last_hidden_state
-        logits = [head(hidden[r, c:c + 1]).float()[0] for r, c in zip(rows, cols)]   # K x [V]
+        logits = list(torch.stack([head(hidden[r, c:c + 1]).float()[0] for r, c in zip(rows, cols)]).cpu())   # K x [V]
         for k, (p, prompt, is_last) in enumerate(owners):
             if prompt:
                 p.prompt_rows.append(logits[k])
@@ -663,7 +685,7 @@ class Engine:
         pasts = []
         for seq in seqs:
             ids = seq.req.input_ids + seq.output_ids[:-1]
-            out = self.model.base_model(input_ids=torch.tensor([ids], dtype=torch.long),
+            out = self.model.base_model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
                                         past_key_values=self._make_cache(None), use_cache=True)
             pasts.append([(layer.keys, layer.values) for layer in out.past_key_values.layers])
         last = torch.tensor([seq.output_ids[-1] for seq in seqs], dtype=torch.long)
@@ -706,10 +728,11 @@ class Engine:
         self.stats["decode_steps"] += 1
         B = len(batch)
         mask = torch.cat([batch.mask, torch.ones((B, 1), dtype=torch.long)], dim=1)   # [B, S + 1]
-        out = self.model(input_ids=batch.last.unsqueeze(1), attention_mask=mask,
-                         position_ids=batch.pos.unsqueeze(1), past_key_values=batch.cache, use_cache=True)
+        dev = self.device   # mask, positions and last tokens stay on the CPU; only the forward's copies move
+        out = self.model(input_ids=batch.last.unsqueeze(1).to(dev), attention_mask=mask.to(dev),
+                         position_ids=batch.pos.unsqueeze(1).to(dev), past_key_values=batch.cache, use_cache=True)
         batch.cache, batch.mask, batch.pos = out.past_key_values, mask, batch.pos + 1
-        batch.last = self._sample(batch.seqs, out.logits[:, -1].float())
+        batch.last = self._sample(batch.seqs, out.logits[:, -1].float().cpu())
         self._drop_finished()
 
     def _merge(self, a: _Batch, b: _Batch) -> _Batch:
@@ -746,7 +769,7 @@ class Engine:
             self._batch = None
             return
         idx = torch.tensor(keep, dtype=torch.long)
-        batch.cache.batch_select_indices(idx)
+        batch.cache.batch_select_indices(idx.to(self.device))
         batch.seqs = [batch.seqs[i] for i in keep]
         batch.mask, batch.pos, batch.last = batch.mask[idx], batch.pos[idx], batch.last[idx]
         self._trim()
@@ -922,7 +945,7 @@ class Engine:
         if problem:
             return False, f"Weights in {source} do not match the served model ({problem}); kept the old weights."
         if isinstance(weights, torch.nn.Module):
-            self.model, self.config = weights.eval(), weights.config
+            self.model, self.config = weights.to(self.device).eval(), weights.config
             if isinstance(source, str) and os.path.isdir(source):
                 self.model_path = source
         if self.prefix_cache is not None:   # its KV was computed by the old weights

@@ -72,6 +72,8 @@ def embedded_command(cfg: ServerConfig, port: int) -> list[str]:
         cmd += ["--context-length", str(cfg.context_length)]
     if cfg.threads:
         cmd += ["--threads", str(cfg.threads)]
+    if cfg.device != "cpu":
+        cmd += ["--device", cfg.device]
     return cmd
 
 
