@@ -208,6 +208,46 @@ def _allowed(mask: GrammarMask, vocab_size: int) -> torch.Tensor:
     return mask
 
 
+_NO_ROWWISE_KEEP: set[type] = set()    # model classes whose logits_to_keep takes no [B, T] index
+
+
+def _inner(model: Any) -> Any:
+    return getattr(model, "module", model)     # a DeepSpeed engine wraps the Hugging Face model
+
+
+def response_logits(model: Any, batch: MicroBatch) -> torch.Tensor:
+    """``[B, T, V]``: the logits at ``batch.logit_positions``, the ones that predict response tokens.
+
+    Transformers versions that index the hidden states with a [B, T] ``logits_to_keep`` row by row
+    compute only those. Older 5.x releases (5.17, measured) index every row with the whole
+    [B, T] index and return ``[B, B, T, V]``: B times the work. For such a model class the logits
+    come from the last hidden state (after the final norm) at those positions through the output
+    head instead, the same numbers (tests/trainer/test_batch.py).
+    """
+    B, T = batch.response_ids.shape
+    kw = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+              use_cache=False)
+    cls = type(_inner(model))
+    if cls not in _NO_ROWWISE_KEEP:
+        out = model(**kw, logits_to_keep=batch.logit_positions)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        if logits.dim() == 3 and logits.shape[:2] == (B, T):
+            return logits
+        if not (logits.dim() == 4 and logits.shape[:3] == (B, B, T)):
+            raise RuntimeError(f"model returned logits {tuple(logits.shape)} for positions {(B, T)}: "
+                               "expected [B, T, V] from a [B, T] logits_to_keep")
+        _NO_ROWWISE_KEEP.add(cls)
+        del out, logits
+    config = _inner(model).config
+    if getattr(config, "final_logit_softcapping", None) or getattr(_inner(model), "logit_scale", None):
+        raise RuntimeError(f"{cls.__name__} rescales its logits after the output head and this transformers "
+                           f"returns [B, B, T, V] for a [B, T] logits_to_keep; upgrade transformers")
+    out = model(**kw, logits_to_keep=1, output_hidden_states=True)
+    hidden = out.hidden_states[-1]                                               # [B, S, H], normed
+    picked = hidden.gather(1, batch.logit_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    return _inner(model).get_output_embeddings()(picked)
+
+
 def sequence_logprobs(model: Any, batch: MicroBatch, temperature: float,
                       grammar_masks: Sequence[GrammarMask | None] | None = None, *,
                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,13 +263,8 @@ def sequence_logprobs(model: Any, batch: MicroBatch, temperature: float,
     ``entropy_grad`` (it costs a second [B, T, V] graph).
     """
     masks = batch.grammar_masks if grammar_masks is None else list(grammar_masks)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids, logits_to_keep=batch.logit_positions, use_cache=False)
-    logits = out.logits if hasattr(out, "logits") else out[0]
+    logits = response_logits(model, batch)
     B, T = batch.response_ids.shape
-    if logits.shape[:2] != (B, T):
-        raise RuntimeError(f"model returned logits {tuple(logits.shape)} for positions {(B, T)}: "
-                           "the model must accept a [B, T] integer logits_to_keep (transformers >= 5)")
     V = logits.shape[-1]
     allowed = None
     if masks and any(m is not None for m in masks):

@@ -178,3 +178,58 @@ def test_grammar_masks_from_xgrammar(tiny_model_dir, tiny):
     want, _ = manual_logprobs(tiny, turn, 1.0, grammar_masks(grammar, response, backend=backend))
     assert logp[0, :len(response)].tolist() == pytest.approx(want.tolist(), abs=1e-5)
     assert logp[0, -1].item() == pytest.approx(0.0, abs=1e-6)   # after "yes" only eos is allowed
+
+
+class _WholeIndexKeep(torch.nn.Module):
+    """A causal LM whose ``logits_to_keep`` indexes every row with the whole [B, T] index, as
+    transformers 5.17 does: ``hidden[:, idx]`` -> logits [B, B, T, V]."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm, self.config, self.calls = lm, lm.config, []
+
+    def get_output_embeddings(self):
+        return self.lm.get_output_embeddings()
+
+    def forward(self, logits_to_keep=0, output_hidden_states=False, **kw):
+        self.calls.append(logits_to_keep if isinstance(logits_to_keep, int) else "rows")
+        out = self.lm(logits_to_keep=0, output_hidden_states=True, **kw)
+        if isinstance(logits_to_keep, torch.Tensor):
+            out.logits = self.lm.get_output_embeddings()(out.hidden_states[-1][:, logits_to_keep])
+        return out
+
+
+def test_logits_from_hidden_states_where_logits_to_keep_takes_no_row_index(tiny):
+    """The fallback for older transformers gives the row-wise path's logprobs, entropies and gradients."""
+    from aflow_rl.trainer import batch as batch_mod
+
+    turns = make_turns(4, seed=3)
+    mb = collate(turns, [0.0] * 4)
+    want_lp, want_ent = sequence_logprobs(tiny, mb, 0.7, entropy_grad=True)
+    (want_lp.sum() + want_ent.sum()).backward()
+    want_grad = tiny.get_output_embeddings().weight.grad.clone()
+    tiny.zero_grad()
+    old = _WholeIndexKeep(tiny)
+    assert type(old) not in batch_mod._NO_ROWWISE_KEEP
+    try:
+        lp, ent = sequence_logprobs(old, mb, 0.7, entropy_grad=True)
+        assert old.calls == ["rows", 1] and type(old) in batch_mod._NO_ROWWISE_KEEP
+        (lp.sum() + ent.sum()).backward()
+        assert torch.allclose(lp, want_lp, atol=1e-5) and torch.allclose(ent, want_ent, atol=1e-4)
+        assert torch.allclose(tiny.get_output_embeddings().weight.grad, want_grad, atol=1e-5)
+        sequence_logprobs(old, mb, 0.7)
+        assert old.calls == ["rows", 1, 1]          # known now: one forward per call
+    finally:
+        batch_mod._NO_ROWWISE_KEEP.discard(type(old))
+        tiny.zero_grad()
+
+
+def test_logits_of_an_unexpected_shape_are_an_error(tiny):
+    class Flat(_WholeIndexKeep):
+        def forward(self, **kw):
+            out = self.lm(input_ids=kw["input_ids"])
+            return out                              # [B, S, V]: logits_to_keep ignored
+
+    mb = collate(make_turns(2, seed=4), [0.0] * 2)
+    with pytest.raises(RuntimeError, match=r"expected \[B, T, V\] from a \[B, T\] logits_to_keep"):
+        sequence_logprobs(Flat(tiny), mb, 1.0)
