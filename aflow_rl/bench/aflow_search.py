@@ -262,10 +262,16 @@ async def _run_all(cfg: Any, urls: dict, trained_url: str | None, trained_path: 
     return per_seed, evaluator.fresh
 
 
+def methods_in(per_seed: dict) -> list[str]:
+    """The methods of ``per_seed``: METHODS' order first, then renamed rows of a merge (``trained_grpo``)."""
+    found = {m for r in per_seed.values() for m in r if m != "split"}
+    return [m for m in METHODS if m in found] + sorted(found - set(METHODS))
+
+
 def summarize(per_seed: dict) -> dict:
     """mean, half-range and per-seed values of each method's test and validation score."""
     rows = {}
-    for method in METHODS:
+    for method in methods_in(per_seed):
         vals = [r[method] for r in per_seed.values() if method in r]
         if not vals:
             continue
@@ -331,10 +337,11 @@ def report(result: dict) -> str:
         lines.append(f"{method:8s}  {r['test_mean']:9.3f}  {r['test_spread']:6.3f}  "
                      f"{', '.join(f'{v:.3f}' for v in r['test']):24s} {', '.join(f'{v:.3f}' for v in r['val'])}")
     if result.get("train"):
-        t = result["train"]
-        frac = "n/a" if t.get("fraction") is None else f"{t['fraction']:.2f}"
-        lines.append(f"trained optimizer: {t['steps']} steps in {t['seconds']:.0f} s, GiGPO turns in anchor "
-                     f"groups of >= 2: {frac}")
+        runs = {"trained": result["train"]} if "steps" in result["train"] else result["train"]   # merged: per label
+        for label, t in runs.items():
+            frac = "n/a" if t.get("fraction") is None else f"{t['fraction']:.2f}"
+            lines.append(f"{label} optimizer: {t['steps']} steps in {t['seconds']:.0f} s, GiGPO turns in anchor "
+                         f"groups of >= 2: {frac}")
     return "\n".join(lines)
 
 
@@ -357,7 +364,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method in METHODS:
+    for method in methods_in(result["per_seed"]):
         curves = [r[method]["curve"] for r in result["per_seed"].values() if method in r]
         if not curves:
             continue
@@ -385,6 +392,52 @@ def _smoke_args(args: argparse.Namespace, out: str) -> tuple[list[str], list[int
     return roles + SMOKE_OVERRIDES + args.overrides, [0], 2, tiny
 
 
+def merge(paths: list[str]) -> dict:
+    """One result from several runs of this bench (e.g. one process per method and seed on one GPU).
+
+    ``PATH=LABEL`` renames that run's ``trained`` row to ``LABEL`` (two trained optimizers side by
+    side). A method may come from one run per seed only; ``io`` must agree wherever it repeats (the
+    executor answers at temperature 0, so a mismatch means the runs did not share a set-up).
+    """
+    per_seed: dict[str, dict] = {}
+    runs = []
+    for item in paths:
+        path, _, label = item.partition("=")
+        with open(path) as fh:
+            run = json.load(fh)
+        runs.append(run)
+        for seed, rows in run["per_seed"].items():
+            merged = per_seed.setdefault(seed, {})
+            for method, row in rows.items():
+                name = label if (label and method == "trained") else method
+                if name in ("io", "split") and name in merged:
+                    if merged[name] != row:
+                        raise SystemExit(f"--merge: {path} seed {seed}: {name} differs from an earlier run's "
+                                         f"({row} vs {merged[name]}); were these runs of the same config?")
+                    continue
+                if name in merged:
+                    raise SystemExit(f"--merge: seed {seed} has {name!r} from two runs ({path} is the second); "
+                                     "label trained rows with PATH=LABEL")
+                merged[name] = row
+    first = runs[0]
+    return {**first, "args": {**first["args"], "methods": sorted({m for r in per_seed.values() for m in r} - {"split"}),
+                              "merged_from": paths, "seeds": sorted(int(s) for s in per_seed)},
+            "wall_s": max(r["wall_s"] for r in runs), "problem_results_computed": sum(
+                r.get("problem_results_computed", 0) for r in runs),
+            "train": {p.partition("=")[2] or str(i): r["train"] for i, (p, r) in enumerate(zip(paths, runs))
+                      if r.get("train")},
+            "summary": summarize(per_seed), "per_seed": per_seed}
+
+
+def write(result: dict, path: str) -> None:
+    """``path`` (JSON) and the round plot beside it (.png)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=2)
+    plot(result, os.path.splitext(path)[0] + ".png")
+    print(f"wrote {path} and {os.path.splitext(path)[0]}.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m aflow_rl.bench.aflow_search", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=DEFAULT_CONFIG)
@@ -397,8 +450,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/bench_aflow_search")
     ap.add_argument("--json", default="", help="write the numbers here and the plot beside it (.png)")
     ap.add_argument("--smoke", action="store_true", help="tiny models, 3 problems, 2 rounds, 1 seed")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="JSON[=LABEL]",
+                    help="run nothing: merge these results (LABEL renames a run's trained row) into --json")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.json:
+            ap.error("--merge needs --json PATH for the merged result")
+        result = merge(args.merge)
+        print(report(result))
+        write(result, args.json)
+        return 0
     if args.rounds < 1 or args.train_steps < 0:
         ap.error("--rounds must be at least 1 and --train-steps at least 0")
     if args.checkpoint and args.train_steps:
@@ -414,11 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                        methods=args.methods)
     print(report(result))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-        plot(result, os.path.splitext(args.json)[0] + ".png")
-        print(f"wrote {args.json} and {os.path.splitext(args.json)[0]}.png")
+        write(result, args.json)
     return 0
 
 

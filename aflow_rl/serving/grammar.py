@@ -249,7 +249,7 @@ def eos_token_ids(model_path: str | None, tokenizer, config) -> list[int]:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 bitmask ``[N, W]`` -> allowed-token mask ``BoolTensor [N, vocab_size]``."""
-    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1          # [N, W, 32]
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(bitmask.device)) & 1          # [N, W, 32]
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 

@@ -74,3 +74,31 @@ def test_cuda_engine_gives_the_cpu_engines_tokens_and_takes_weight_updates(tiny_
         assert after.weight_version == "b" and after.output_logprobs != got[4].output_logprobs
     finally:
         gpu.shutdown(), cpu.shutdown()
+
+
+@pytest.mark.gpu
+def test_trainer_logprobs_with_packed_grammar_masks_on_cuda_match_the_cpu(tiny_model_dir):
+    """The trainer's side on a GPU: a batch on CUDA with packed (int32) grammar masks from the CPU,
+    unpacked on the GPU (a CPU shift table there once failed), gives the CPU's logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    from aflow_rl.serving.grammar import unpack_bitmask
+    from aflow_rl.trainer.batch import collate, sequence_logprobs
+    from tests.trainer.test_batch import make_turns
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    V = model.config.vocab_size
+    turns = make_turns(3, seed=5)
+    g = torch.Generator().manual_seed(1)
+    packed = []
+    for t in turns:
+        allowed = torch.rand((len(t.response_ids), V), generator=g) < 0.3
+        allowed[torch.arange(len(t.response_ids)), torch.as_tensor(t.response_ids, dtype=torch.long)] = True
+        bits = allowed.reshape(allowed.shape[0], -1, 32).to(torch.int64) << torch.arange(32)
+        packed.append(bits.sum(-1).to(torch.int32))
+    assert torch.equal(unpack_bitmask(packed[0].cuda(), V).cpu(), unpack_bitmask(packed[0], V))
+    mb = collate(turns, [0.0] * 3, grammar_masks=packed)
+    want, _ = sequence_logprobs(model, mb, 0.8)
+    got, _ = sequence_logprobs(model.cuda(), mb.to("cuda"), 0.8)
+    assert got.device.type == "cuda"
+    assert torch.allclose(got.cpu(), want, atol=1e-4)

@@ -171,3 +171,50 @@ def test_run_seed_runs_only_the_methods_given(tmp_path, monkeypatch):
     evaluator = bench.CachedEvaluator(cfg.env.aflow, ScriptedExecutor(lambda prompt: "0"))
     row = asyncio.run(bench.run_seed(cfg, 0, 2, evaluator, {"mcts": ChainProposer()}, str(tmp_path)))
     assert set(row) == {"io", "split", "mcts"}
+
+
+def _run_json(tmp_path, name, rows_per_seed, train=None):
+    result = {"args": {"dataset": "d", "num_problems": 6, "val_ratio": 0.34, "seeds": [], "rounds": 2,
+                       "executor": "e", "optimizer": "o"}, "wall_s": 5.0, "machine": {"cpu": "x"},
+              "problem_results_computed": 3, "train": train or {},
+              "per_seed": rows_per_seed, "summary": bench.summarize(rows_per_seed)}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+def _row(test, curve=(0.1, 0.2)):
+    return {"test": test, "val": curve[-1], "curve": list(curve), "nodes": 1, "ops": ["Programmer"]}
+
+
+def test_merge_joins_runs_per_method_and_seed_and_labels_trained_rows(tmp_path, capsys):
+    io = {"test": 0.01, "val": 0.0, "curve": [0.0, 0.0]}
+    a = _run_json(tmp_path, "a", {"0": {"io": io, "aflow": _row(0.2)}, "1": {"io": io, "aflow": _row(0.4)}})
+    g = _run_json(tmp_path, "g", {"0": {"io": io, "trained": _row(0.1)}, "1": {"io": io, "trained": _row(0.3)}},
+                  train={"steps": 6, "seconds": 200.0, "fraction": 0.8})
+    r = _run_json(tmp_path, "r", {"0": {"io": io, "trained": _row(0.5)}})
+    out = tmp_path / "m" / "merged.json"
+    assert bench.main(["--merge", a, f"{g}=trained_gigpo", f"{r}=trained_grpo", "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    s = merged["summary"]
+    assert list(s) == ["io", "aflow", "trained_gigpo", "trained_grpo"]
+    assert s["aflow"]["test_mean"] == pytest.approx(0.3) and s["aflow"]["test_spread"] == pytest.approx(0.1)
+    assert s["trained_gigpo"]["test"] == [0.1, 0.3] and s["trained_grpo"]["test"] == [0.5]
+    assert merged["args"]["seeds"] == [0, 1] and merged["problem_results_computed"] == 9
+    assert merged["train"] == {"trained_gigpo": {"steps": 6, "seconds": 200.0, "fraction": 0.8}}
+    assert os.path.getsize(str(out).replace(".json", ".png")) > 1000
+    printed = capsys.readouterr().out
+    assert "trained_gigpo optimizer: 6 steps in 200 s" in printed and "trained_grpo" in printed
+
+
+def test_merge_refuses_runs_that_disagree_or_collide(tmp_path):
+    a = _run_json(tmp_path, "a", {"0": {"io": {"test": 0.01, "val": 0.0}, "mcts": _row(0.2)}})
+    other_io = _run_json(tmp_path, "b", {"0": {"io": {"test": 0.02, "val": 0.0}, "aflow": _row(0.2)}})
+    with pytest.raises(SystemExit, match="io differs from an earlier run"):
+        bench.merge([a, other_io])
+    t1 = _run_json(tmp_path, "t1", {"0": {"io": {"test": 0.01, "val": 0.0}, "trained": _row(0.2)}})
+    t2 = _run_json(tmp_path, "t2", {"0": {"io": {"test": 0.01, "val": 0.0}, "trained": _row(0.3)}})
+    with pytest.raises(SystemExit, match="'trained' from two runs"):
+        bench.merge([t1, t2])
+    with pytest.raises(SystemExit):
+        bench.main(["--merge", a])            # no --json
