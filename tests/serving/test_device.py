@@ -84,18 +84,12 @@ def test_trainer_logprobs_with_packed_grammar_masks_on_cuda_match_the_cpu(tiny_m
 
     from aflow_rl.serving.grammar import unpack_bitmask
     from aflow_rl.trainer.batch import collate, sequence_logprobs
-    from tests.trainer.test_batch import make_turns
+    from tests.trainer.test_batch import make_turns, pack, random_masks
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     V = model.config.vocab_size
     turns = make_turns(3, seed=5)
-    g = torch.Generator().manual_seed(1)
-    packed = []
-    for t in turns:
-        allowed = torch.rand((len(t.response_ids), V), generator=g) < 0.3
-        allowed[torch.arange(len(t.response_ids)), torch.as_tensor(t.response_ids, dtype=torch.long)] = True
-        bits = allowed.reshape(allowed.shape[0], -1, 32).to(torch.int64) << torch.arange(32)
-        packed.append(bits.sum(-1).to(torch.int32))
+    packed = [pack(m) for m in random_masks(turns, V, seed=1)]
     assert torch.equal(unpack_bitmask(packed[0].cuda(), V).cpu(), unpack_bitmask(packed[0], V))
     mb = collate(turns, [0.0] * 3, grammar_masks=packed)
     want, _ = sequence_logprobs(model, mb, 0.8)

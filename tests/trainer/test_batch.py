@@ -109,15 +109,26 @@ def test_sequence_logprobs_match_manual(tiny, temperature):
         assert logp[b, R:].abs().sum() == 0 and ent[b, R:].abs().sum() == 0
 
 
-def test_sequence_logprobs_with_masks_bool_and_packed(tiny):
-    V = tiny.config.vocab_size
-    turns = make_turns(3, seed=2)
-    g = torch.Generator().manual_seed(0)
+def random_masks(turns, vocab_size, seed):
+    """A random BoolTensor [R, V] grammar mask per turn (30% of tokens) that allows the sampled tokens."""
+    g = torch.Generator().manual_seed(seed)
     masks = []
     for t in turns:
-        allowed = torch.rand((len(t.response_ids), V), generator=g) < 0.3
+        allowed = torch.rand((len(t.response_ids), vocab_size), generator=g) < 0.3
         allowed[torch.arange(len(t.response_ids)), torch.as_tensor(t.response_ids, dtype=torch.long)] = True
         masks.append(allowed)
+    return masks
+
+
+def pack(mask):
+    """A BoolTensor mask as xgrammar's int32 bitmask (bit k of word w = token 32w + k)."""
+    bits = mask.reshape(mask.shape[0], -1, 32).to(torch.int64) << torch.arange(32)
+    return bits.sum(-1).to(torch.int64).to(torch.int32)
+
+
+def test_sequence_logprobs_with_masks_bool_and_packed(tiny):
+    turns = make_turns(3, seed=2)
+    masks = random_masks(turns, tiny.config.vocab_size, seed=0)
     masks[1] = None                                                    # an unconstrained turn
     mb = collate(turns, [0.0] * 3, grammar_masks=masks)
     logp, ent = sequence_logprobs(tiny, mb, 0.8)
@@ -126,14 +137,8 @@ def test_sequence_logprobs_with_masks_bool_and_packed(tiny):
         R = len(t.response_ids)
         assert logp[b, :R].tolist() == pytest.approx(want_lp.tolist(), abs=1e-5)
         assert ent[b, :R].tolist() == pytest.approx(want_ent.tolist(), abs=1e-4)
-    # The same masks packed as xgrammar bitmasks (bit k of word w = token 32w + k).
-    packed = []
-    for m in masks:
-        if m is None:
-            packed.append(None)
-            continue
-        bits = m.reshape(m.shape[0], -1, 32).to(torch.int64) << torch.arange(32)
-        packed.append(bits.sum(-1).to(torch.int64).to(torch.int32))
+    # The same masks packed as xgrammar bitmasks.
+    packed = [None if m is None else pack(m) for m in masks]
     logp2, _ = sequence_logprobs(tiny, mb, 0.8, packed)
     assert torch.allclose(logp, logp2)
     # A sampled token its mask forbids is an error, not a silent -inf.
