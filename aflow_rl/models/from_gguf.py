@@ -65,8 +65,28 @@ def load_tokenizer(gguf_path: str, pre_type: str | None):
     folder, name = os.path.split(os.path.abspath(gguf_path))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if pre_type in DIGIT_SPLIT_PRE:
+        from tokenizers import decoders
+
         tok.backend_tokenizer.pre_tokenizer = digit_split_pre_tokenizer()
+        # Byte-level BPE decodes by bytes alone; transformers 5.17 also put SentencePiece steps
+        # (byte fallback, "▁" -> " ") in front, which lost a leading space of some texts.
+        tok.backend_tokenizer.decoder = decoders.ByteLevel()
     return tok
+
+
+# Tokenizer attribute -> the GGUF key holding its id, the file's own record of them.
+SPECIAL_TOKENS = {"eos_token": "tokenizer.ggml.eos_token_id", "bos_token": "tokenizer.ggml.bos_token_id",
+                  "pad_token": "tokenizer.ggml.padding_token_id", "unk_token": "tokenizer.ggml.unknown_token_id"}
+
+
+def set_special_tokens(tok, meta: dict) -> None:
+    """The special tokens the GGUF names, not the loader's guess: transformers 5.17 read SmolLM2's
+    eos as ``<|im_start|>`` (id 1; the file says 2, ``<|im_end|>``), and the generation config
+    copied from it then stopped on the wrong token."""
+    for attr, key in SPECIAL_TOKENS.items():
+        idx = meta.get(key)
+        if idx is not None and 0 <= int(idx) < len(tok):
+            setattr(tok, attr, tok.convert_ids_to_tokens(int(idx)))
 
 
 def load_model(gguf_path: str):
@@ -106,8 +126,10 @@ def convert(gguf_path: str, out_dir: str) -> dict:
     _require_packages()
     if not os.path.isfile(gguf_path):
         raise GGUFConversionError(f"no GGUF file at {gguf_path}")
-    meta = read_metadata(gguf_path, ("general.architecture", "tokenizer.ggml.pre", "general.file_type"))
+    meta = read_metadata(gguf_path, ("general.architecture", "tokenizer.ggml.pre", "general.file_type",
+                                     *SPECIAL_TOKENS.values()))
     tok = load_tokenizer(gguf_path, meta.get("tokenizer.ggml.pre"))
+    set_special_tokens(tok, meta)
     model = load_model(gguf_path)
     if tok.eos_token_id is not None:
         # The loop stops on the generation config's eos; keep it equal to the tokenizer's.
