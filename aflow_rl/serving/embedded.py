@@ -1,8 +1,8 @@
-"""The embedded CPU inference server: SGLang's HTTP API over :class:`~aflow_rl.serving.generation.Engine`.
+"""The embedded inference server (CPU, or one GPU with ``--device cuda``): SGLang's HTTP API over :class:`~aflow_rl.serving.generation.Engine`.
 
     python -m aflow_rl.serving.embedded --model-path DIR --port P [--host 127.0.0.1]
         [--max-batch-size N] [--context-length N] [--dtype auto|float32|bfloat16]
-        [--threads N] [--served-model-name NAME] [--api-key K] [--admin-api-key K]
+        [--threads N] [--device cpu|cuda|cuda:N] [--served-model-name NAME] [--api-key K] [--admin-api-key K]
         [--max-request-bytes B] [--max-batch-prompts N] [--max-top-logprobs-entries N]
         [--grammar-compile-timeout S] [--http auto|h11|httptools] [--loop auto|asyncio|uvloop]
 
@@ -690,7 +690,7 @@ def create_app(model_path: str, *, served_model_name: Optional[str] = None, host
 def build_parser() -> argparse.ArgumentParser:
     """The CLI contract the server manager relies on."""
     ap = argparse.ArgumentParser(prog="python -m aflow_rl.serving.embedded",
-                                 description="Embedded CPU server speaking SGLang's HTTP API.")
+                                 description="Embedded server (CPU, or one GPU with --device) speaking SGLang's HTTP API.")
     ap.add_argument("--model-path", required=True, help="Hugging Face model directory")
     ap.add_argument("--port", type=int, default=30000, help="port to listen on (SGLang's default 30000)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind")
