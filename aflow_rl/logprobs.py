@@ -15,6 +15,13 @@ import torch
 GREEDY_EPS = 1e-6
 
 
+def rescales_logits(model) -> bool:
+    """Whether ``model`` changes its logits after the output head (soft-capping, a logit scale). Both
+    the server's prefill and the trainer's fallback take logits as ``head(last hidden state)``, which
+    would misreport such a model."""
+    return bool(getattr(model.config, "final_logit_softcapping", None) or getattr(model, "logit_scale", None))
+
+
 def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_EPS
 

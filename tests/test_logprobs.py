@@ -67,3 +67,15 @@ def test_server_and_trainer_share_the_kernel():
     assert server.policy_logprobs is policy_logprobs and trainer.policy_logprobs is policy_logprobs
     assert not hasattr(server, "GREEDY_EPS") and not hasattr(trainer, "GREEDY_EPS")
     assert not hasattr(server, "token_logprobs")
+
+
+def test_rescales_logits_flags_softcapping_and_logit_scale():
+    from types import SimpleNamespace
+
+    from aflow_rl.logprobs import rescales_logits
+
+    plain = SimpleNamespace(config=SimpleNamespace())
+    assert not rescales_logits(plain)
+    assert rescales_logits(SimpleNamespace(config=SimpleNamespace(final_logit_softcapping=30.0)))
+    assert rescales_logits(SimpleNamespace(config=SimpleNamespace(), logit_scale=0.5))
+    assert not rescales_logits(SimpleNamespace(config=SimpleNamespace(final_logit_softcapping=None)))

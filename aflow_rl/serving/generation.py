@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from aflow_rl.logprobs import is_greedy, policy_logprobs
+from aflow_rl.logprobs import is_greedy, policy_logprobs, rescales_logits
 from aflow_rl.serving.grammar import GrammarBackend, eos_token_ids, mask_logits_, unpack_bitmask
 from aflow_rl.serving.prefix_cache import PrefixCache
 
@@ -266,7 +266,7 @@ class Engine:
         self.config = self.model.config
         # Prefill takes logits as lm_head(last hidden state) (only the rows it needs, see
         # _prefill_chunk); a model that rescales or caps its logits after that would be misreported.
-        if getattr(self.config, "final_logit_softcapping", None) or getattr(self.model, "logit_scale", None):
+        if rescales_logits(self.model):
             raise ValueError(f"{model_path}: logit scaling/soft-capping models are not supported by the embedded server")
         self.vocab_size = int(self.config.vocab_size)
         max_pos = int(getattr(self.config, "max_position_embeddings", 0) or 2048)

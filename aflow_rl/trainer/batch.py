@@ -25,7 +25,7 @@ import torch
 
 from aflow_rl.algos.advantages import from_trajectories, step_group_fraction, valid_group_mask
 from aflow_rl.algos.parl import parl_lambdas, shaped_rewards
-from aflow_rl.logprobs import policy_logprobs
+from aflow_rl.logprobs import policy_logprobs, rescales_logits
 from aflow_rl.rollout.types import Trajectory, Turn
 
 # A grammar mask per sequence: BoolTensor [T, V] (True = allowed), or xgrammar's
@@ -238,8 +238,7 @@ def response_logits(model: Any, batch: MicroBatch) -> torch.Tensor:
                                "expected [B, T, V] from a [B, T] logits_to_keep")
         _NO_ROWWISE_KEEP.add(cls)
         del out, logits
-    config = _inner(model).config
-    if getattr(config, "final_logit_softcapping", None) or getattr(_inner(model), "logit_scale", None):
+    if rescales_logits(_inner(model)):
         raise RuntimeError(f"{cls.__name__} rescales its logits after the output head and this transformers "
                            f"returns [B, B, T, V] for a [B, T] logits_to_keep; upgrade transformers")
     out = model(**kw, logits_to_keep=1, output_hidden_states=True)
