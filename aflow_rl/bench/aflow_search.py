@@ -420,7 +420,7 @@ def merge(paths: list[str]) -> dict:
                                      "label trained rows with PATH=LABEL")
                 merged[name] = row
     first = runs[0]
-    return {**first, "args": {**first["args"], "methods": sorted({m for r in per_seed.values() for m in r} - {"split"}),
+    return {**first, "args": {**first["args"], "methods": methods_in(per_seed),
                               "merged_from": paths, "seeds": sorted(int(s) for s in per_seed)},
             "wall_s": max(r["wall_s"] for r in runs), "problem_results_computed": sum(
                 r.get("problem_results_computed", 0) for r in runs),
