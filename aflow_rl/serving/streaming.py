@@ -168,6 +168,23 @@ SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class _FanoutStream(StreamingResponse):
+    """A stream that aborts its unfinished sequences however the response ends. Under ASGI 2.4
+    (uvicorn) a hung-up client makes Starlette's ``send`` raise, which leaves the event generator,
+    and the abort in its ``finally``, to the garbage collector: under load the engine then went on
+    generating for the dead connection (tests/serving/test_streaming.py, seen failing in CI)."""
+
+    def __init__(self, fan: Fanout, content: AsyncIterator, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.fan = fan
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.fan.abort()
+
+
 async def _close(fan: Fanout, events: AsyncIterator) -> None:
     """Abort what is unfinished when a stream ends early (client disconnect cancels the generator)."""
     fan.abort()
@@ -193,7 +210,7 @@ async def generate(srv, request: Request, body: dict):
         out = [srv.sglang_response(r, res, t) for r, res, t in zip(copies, results, lp_flags)]
         return JSONResponse(out if batch or n > 1 else out[0])
     indexed = len(copies) > 1
-    return StreamingResponse(_generate_events(srv, fan, lp_flags, indexed), media_type="text/event-stream",
+    return _FanoutStream(fan, _generate_events(srv, fan, lp_flags, indexed), media_type="text/event-stream",
                              headers=SSE_HEADERS)
 
 
@@ -307,7 +324,7 @@ async def chat(srv, request: Request, body: dict, top_logprobs_max: int):
                 "model": srv.served_model_name,
                 "choices": [chat_choice(srv, res, params, want_lp, j) for j, res in enumerate(results)],
                 "usage": _chat_usage(results), "metadata": {"weight_version": results[0].weight_version}}
-    return StreamingResponse(_chat_events(srv, fan, params, want_lp, include_usage),
+    return _FanoutStream(fan, _chat_events(srv, fan, params, want_lp, include_usage),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -409,7 +426,7 @@ async def completions(srv, request: Request, body: dict, reqs: list[GenerateRequ
                 "choices": [completion_choice(srv, res, p, top_n, i)
                             for i, (res, p) in enumerate(zip(results, copy_params))],
                 "usage": _completion_usage(results, n), "metadata": {"weight_version": results[0].weight_version}}
-    return StreamingResponse(_completion_events(srv, fan, copy_params, top_n, n, include_usage),
+    return _FanoutStream(fan, _completion_events(srv, fan, copy_params, top_n, n, include_usage),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
