@@ -332,9 +332,10 @@ def report(result: dict) -> str:
     lines.append(f"{a['dataset']}: {a['num_problems']} problems, val_ratio {a['val_ratio']}, seeds {a['seeds']}, "
                  f"{a['rounds']} rounds; executor {a['executor']}, optimizer {a['optimizer']}; "
                  f"wall {result['wall_s']:.0f} s, load {result['machine'].get('load_avg_1m_at_start')}")
-    lines.append(f"{'method':8s}  {'test mean':>9s}  {'+-':>6s}  per seed (test)          val (best)")
+    w = max([8, *map(len, result["summary"])])   # merged rows carry labels such as trained_grpo
+    lines.append(f"{'method':{w}s}  {'test mean':>9s}  {'+-':>6s}  per seed (test)          val (best)")
     for method, r in result["summary"].items():
-        lines.append(f"{method:8s}  {r['test_mean']:9.3f}  {r['test_spread']:6.3f}  "
+        lines.append(f"{method:{w}s}  {r['test_mean']:9.3f}  {r['test_spread']:6.3f}  "
                      f"{', '.join(f'{v:.3f}' for v in r['test']):24s} {', '.join(f'{v:.3f}' for v in r['val'])}")
     if result.get("train"):
         runs = {"trained": result["train"]} if "steps" in result["train"] else result["train"]   # merged: per label
