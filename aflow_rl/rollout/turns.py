@@ -31,10 +31,15 @@ def parse_weight_version(version: Any) -> int:
 async def generate_turn(client: LLMClient, tokenizer: Any, messages: list[dict], *,
                         temperature: float, max_new_tokens: int,
                         json_schema: dict | str | None = None, regex: str | None = None,
-                        anchor_key: str | None = None) -> tuple[Completion, Turn]:
-    """Sample one policy response and package it as a Turn for training."""
+                        anchor_key: str | None = None, sampling_seed: int | None = None) -> tuple[Completion, Turn]:
+    """Sample one policy response and package it as a Turn for training.
+
+    ``sampling_seed``: this request's own sampler seed (SGLang's sampling param), so the response does
+    not depend on what else the server sampled before it; None: the server's shared generator."""
     prompt_ids = chat_prompt_ids(tokenizer, messages)
     sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+    if sampling_seed is not None:
+        sampling["sampling_seed"] = int(sampling_seed)
     grammar = None
     if json_schema is not None:
         schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)

@@ -195,12 +195,30 @@ class PolicyProposer:
     With a tokenizer (SGLang native endpoint): ``generate_turn`` on token ids,
     anchor key = the parent's hash, so the Turn trains as is. Without one (an
     OpenAI-compatible or Anthropic frozen optimizer): a chat request.
+
+    ``seed`` (token path only): the k-th proposal carries ``sampling_seed = seed * 2**20 + k``. A
+    search then draws the same proposals whichever process or server runs it, and two searches with
+    different seeds draw different ones. Without a seed, every process whose server starts from the
+    same random seed replays the same draws: the per-seed processes of a benchmark were not
+    independent samples of the optimizer (docs/benchmarks.md, H200 session 8).
     """
 
     def __init__(self, client: Any, tokenizer: Any = None, *, temperature: float = 1.0,
-                 max_new_tokens: int = 1024, schema: dict | None = WORKFLOW_SCHEMA):
+                 max_new_tokens: int = 1024, schema: dict | None = WORKFLOW_SCHEMA, seed: int | None = None):
         self.client, self.tokenizer = client, tokenizer
         self.temperature, self.max_new_tokens, self.schema = temperature, max_new_tokens, schema
+        self.seed, self.calls = seed, 0
+
+    def seeded(self, seed: int) -> "PolicyProposer":
+        """The same proposer with its own sampling seeds (its count of proposals starts at 0)."""
+        return PolicyProposer(self.client, self.tokenizer, temperature=self.temperature,
+                              max_new_tokens=self.max_new_tokens, schema=self.schema, seed=seed)
+
+    def next_sampling_seed(self) -> int | None:
+        if self.seed is None:
+            return None
+        k, self.calls = self.calls, self.calls + 1
+        return int(self.seed) * 2**20 + k
 
     async def __call__(self, state: WorkflowState) -> Proposal:
         if self.tokenizer is not None:
@@ -208,7 +226,8 @@ class PolicyProposer:
 
             comp, turn = await generate_turn(self.client, self.tokenizer, state.messages(),
                                              temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                                             json_schema=self.schema, anchor_key=state.parent_hash)
+                                             json_schema=self.schema, anchor_key=state.parent_hash,
+                                             sampling_seed=self.next_sampling_seed())
             return Proposal(text=comp.text, turn=turn, finish_reason=comp.finish_reason)
         sampling: dict[str, Any] = {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens}
         if self.schema is not None:
@@ -299,14 +318,14 @@ async def evaluate_runs(workflow: Workflow, evaluate: EvaluateFn, runs: int) -> 
     return out
 
 
-async def assess(text: str, parent: TreeNode, *, evaluate: EvaluateFn, runs: int, max_nodes: int,
-                 max_samples: int, max_loop_rounds: int, penalty: float,
-                 known: Mapping[str, int] | None = None) -> Outcome:
-    """Parse and validate a proposal against its parent; evaluate it only if it is valid and new.
+def judge(text: str, parent: TreeNode, *, max_nodes: int, max_samples: int, max_loop_rounds: int,
+          penalty: float, known: Mapping[str, int] | None = None) -> Outcome:
+    """A proposal's verdict before anything runs: parsed, validated and compared with its parent.
 
-    Rejected (never executed, improvement = ``penalty``): unparseable or
+    Rejected (``accepted`` false, improvement = ``penalty``): unparseable or
     invalid graphs, a child equal to its parent, and with ``known`` (hash ->
-    round) a workflow an earlier round already evaluated.
+    round) a workflow an earlier round already evaluated. Otherwise
+    ``accepted`` with ``child``, its hash and the modification, not yet scored.
     """
     t0 = time.monotonic()
     try:
@@ -319,15 +338,27 @@ async def assess(text: str, parent: TreeNode, *, evaluate: EvaluateFn, runs: int
         modification = describe_change(Workflow.from_yaml(parent.workflow), child)
     except WorkflowError:
         modification = "new workflow"
-    rejected = Outcome(accepted=False, child=child, child_hash=child_hash, modification=modification,
-                       improvement=penalty)
+    out = Outcome(accepted=True, child=child, child_hash=child_hash, modification=modification)
     if child_hash == parent.hash:
-        rejected.reason = "unchanged: the proposal equals its parent"
+        out.reason = "unchanged: the proposal equals its parent"
     elif known and child_hash in known:
-        rejected.reason = f"duplicate: the same workflow as round {known[child_hash]}"
-    if rejected.reason:
-        rejected.seconds = time.monotonic() - t0
-        return rejected
+        out.reason = f"duplicate: the same workflow as round {known[child_hash]}"
+    if out.reason:
+        out.accepted, out.improvement = False, penalty
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+async def assess(text: str, parent: TreeNode, *, evaluate: EvaluateFn, runs: int, max_nodes: int,
+                 max_samples: int, max_loop_rounds: int, penalty: float,
+                 known: Mapping[str, int] | None = None) -> Outcome:
+    """``judge`` the proposal; evaluate it (``runs`` times) only if it is accepted: valid and new."""
+    t0 = time.monotonic()
+    verdict = judge(text, parent, max_nodes=max_nodes, max_samples=max_samples, max_loop_rounds=max_loop_rounds,
+                    penalty=penalty, known=known)
+    if not verdict.accepted:
+        return verdict
+    child, child_hash, modification = verdict.child, verdict.child_hash, verdict.modification
     out = await evaluate_runs(child, evaluate, runs)
     out.child, out.child_hash, out.modification = child, child_hash, modification
     out.improvement = out.child_score - parent.score
