@@ -4,6 +4,7 @@ Every benchmark prints the machine it ran on (``machine()``) next to its numbers
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 
@@ -27,3 +28,11 @@ def machine(**extra: object) -> dict:
         pass
     info.update(extra)
     return info
+
+
+def write_json(result: object, path: str) -> str:
+    """Write a benchmark's result to ``path`` (folders made as needed); returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=2, default=str)
+    return path

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import statistics
@@ -48,7 +47,7 @@ from contextlib import ExitStack
 from dataclasses import asdict
 from typing import Any
 
-from aflow_rl.bench import machine
+from aflow_rl.bench import machine, write_json
 from aflow_rl.rollout.types import Trajectory, WorkerContext
 
 DATASET = "rg:basic_arithmetic"
@@ -440,10 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                        sandbox_mode=args.sandbox_mode, model_path=args.model_path, seed=args.seed)
     print(report(result))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-        print(f"wrote {args.json}")
+        print(f"wrote {write_json(result, args.json)}")
     return 0
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from aflow_rl.bench import machine
+from aflow_rl.bench import machine, write_json
 
 DEFAULT_CONFIG = "configs/aflow_smol.yaml"
 METHODS = ("io", "aflow", "mcts", "trained")
@@ -437,9 +437,7 @@ def merge(paths: list[str]) -> dict:
 
 def write(result: dict, path: str) -> None:
     """``path`` (JSON) and the round plot beside it (.png)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(result, fh, indent=2)
+    write_json(result, path)
     plot(result, os.path.splitext(path)[0] + ".png")
     print(f"wrote {path} and {os.path.splitext(path)[0]}.png")
 

@@ -13,12 +13,11 @@ average and the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
-from aflow_rl.bench import machine
+from aflow_rl.bench import machine, write_json
 
 
 def _exit_status_check(problem) -> bool:
@@ -73,8 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"({r['checks']} checks, {r['failed']} failed)")
     print(f"judged / exit_status (median): {result['ratio_judged_over_exit_status']:.2f}x")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(result, args.json)
     return result
 
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from aflow_rl.bench import machine
+from aflow_rl.bench import machine, write_json
 from aflow_rl.bench.swarm import EVAL_RESET, format_pressure, parse_pressure, pressure_sweep, run_bench
 from aflow_rl.config import load_config
 
@@ -412,10 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     if "pressure" in result:
         print(format_pressure(result["pressure"]))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2, default=str)
-        print(f"wrote {args.json} and {plot(result['curves'], result['summary'], os.path.splitext(args.json)[0] + '.png')}")
+        print(f"wrote {write_json(result, args.json)} and {plot(result['curves'], result['summary'], os.path.splitext(args.json)[0] + '.png')}")
     return 0
 
 

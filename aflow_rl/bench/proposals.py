@@ -30,13 +30,12 @@ import argparse
 import asyncio
 import collections
 import datetime
-import json
 import math
 import os
 import sys
 from typing import Any
 
-from aflow_rl.bench import machine
+from aflow_rl.bench import machine, write_json
 
 DEFAULT_CONFIG = "configs/aflow_smol.yaml"
 SMOKE_SAMPLES = 4
@@ -211,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                        args.seed)
     print(report(result))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"wrote {args.json}")
+        print(f"wrote {write_json(result, args.json)}")
     return 0
 
 

@@ -17,7 +17,6 @@ its TensorBoard events.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import time
 
 import numpy as np
 
-from aflow_rl.bench import machine
+from aflow_rl.bench import machine, write_json
 
 # Dense bf16 peak of the accelerators this project is benchmarked on (FLOP/s, datasheet).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -159,8 +158,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({100 * split['share/train_s']:.0f}%) + sync {split['timing/sync_s']:.2f} s "
               f"({100 * split['share/sync_s']:.0f}%); train tokens/s {split['perf/tokens_per_s']:.0f}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":
