@@ -14,6 +14,12 @@ and temperature. Each proposal is judged as a search round judges it before runn
 - rejected as unchanged: it equals its parent;
 - new: a valid, different workflow.
 
+``--parent FILE.yaml[=SCORE]`` draws the same proposals (the same sampling seeds) from another
+parent as well, and reports how often the k-th proposal is the same workflow as from the round-1
+parent. A policy that reads its observation proposes different workflows for different parents.
+One that ignores it proposes the same workflow, and then no parent selection (AFlow's or MCTS's)
+can change what a search finds.
+
 For new workflows it also counts the operators. On rg:chain_sum the share of proposals with a
 ``Programmer`` node is the one that decides a search: SmolLM2 solves those problems only through
 code (IO 0.002, Programmer workflows 0.1-0.3).
@@ -82,52 +88,94 @@ def tally(outcomes: list[Any], finish_reasons: list[str]) -> dict:
             "verdicts": [verdict(o) for o in outcomes]}
 
 
-async def sample_policy(cfg: Any, url: str, model_path: str, samples: int, seed: int = 0) -> dict:
-    """``samples`` proposals of the policy at ``url`` from the round-1 state, judged and tallied.
+def round1_parent(cfg: Any) -> tuple[Any, str]:
+    """The search's starting parent (the round-1 workflow, scored 0: IO's validation score on rg:chain_sum is
+    0.000-0.001) and the question type its prompt names."""
+    from aflow_rl.envs.aflow.episode import validation_problems
+    from aflow_rl.envs.aflow.graph import workflow_hash
+    from aflow_rl.envs.aflow.mcts import TreeNode
+    from aflow_rl.envs.aflow.optimizer import initial_workflow, question_type
+
+    kind = question_type(validation_problems(cfg))
+    root = initial_workflow(cfg.env.aflow, kind)
+    return TreeNode(hash=workflow_hash(root), round=1, score=0.0, workflow=root.to_yaml()), kind
+
+
+def load_parent(item: str) -> Any:
+    """``FILE.yaml[=SCORE]`` -> a parent node (score 0 unless given); the workflow must be valid YAML."""
+    from aflow_rl.envs.aflow.graph import Workflow, WorkflowError, workflow_hash
+    from aflow_rl.envs.aflow.mcts import TreeNode
+
+    path, sep, score = item.partition("=")
+    try:
+        with open(path) as fh:
+            wf = Workflow.from_yaml(fh.read())
+        return TreeNode(hash=workflow_hash(wf), round=2, score=float(score) if sep else 0.0, workflow=wf.to_yaml())
+    except (OSError, WorkflowError, ValueError) as exc:
+        raise ValueError(f"--parent {item}: {exc}") from None
+
+
+def same_workflow(first: list[Any], other: list[Any]) -> dict:
+    """Share of draws k where both proposals parse to the same workflow (``Outcome.child_hash``)."""
+    k = sum(1 for a, b in zip(first, other, strict=True) if a.child is not None and a.child_hash == b.child_hash)
+    return share(k, len(first))
+
+
+async def sample_policy(cfg: Any, url: str, model_path: str, samples: int, seed: int = 0,
+                        parents: list[tuple[str, Any]] = ()) -> dict:
+    """``samples`` proposals of the policy at ``url`` from the round-1 state, judged and tallied; then the same
+    draws (the same sampling seeds) from each of ``parents`` ((name, node)), and how often the proposal is the
+    same workflow whatever the parent: a policy that ignores its observation proposes the same workflow.
 
     The k-th proposal of every policy has the same sampling seed (``PolicyProposer.seeded``): the
     policies are compared on common random numbers, and a rerun reproduces the draws."""
     from transformers import AutoTokenizer
 
     from aflow_rl.bench.aflow_search import _proposer
-    from aflow_rl.envs.aflow.episode import validation_problems
-    from aflow_rl.envs.aflow.graph import workflow_hash
-    from aflow_rl.envs.aflow.optimizer import WorkflowState, initial_workflow, judge, question_type
-    from aflow_rl.envs.aflow.mcts import TreeNode
+    from aflow_rl.envs.aflow.optimizer import WorkflowState, judge
     from aflow_rl.llm import make_client
 
     a = cfg.env.aflow
-    kind = question_type(validation_problems(cfg))
-    root = initial_workflow(a, kind)
-    parent = TreeNode(hash=workflow_hash(root), round=1, score=0.0, workflow=root.to_yaml())
-    # The state a search's round 2 sees: IO scores ~0 on rg:chain_sum (0.000-0.001 on validation).
-    state = WorkflowState(parent_hash=parent.hash, parent_round=1, parent_score=0.0, parent_yaml=parent.workflow,
-                          kind=kind, max_nodes=a.max_nodes, compact=a.prompt == "compact")
+    root, kind = round1_parent(cfg)
     client = make_client(cfg.llm.policy, [url], role="policy")
-    proposer = _proposer(cfg, client, AutoTokenizer.from_pretrained(model_path)).seeded(seed)
-    try:
+    base = _proposer(cfg, client, AutoTokenizer.from_pretrained(model_path))
+
+    async def draw(parent: Any) -> tuple[list, list]:
+        state = WorkflowState(parent_hash=parent.hash, parent_round=parent.round, parent_score=parent.score,
+                              parent_yaml=parent.workflow, kind=kind, max_nodes=a.max_nodes,
+                              compact=a.prompt == "compact")
+        proposer = base.seeded(seed)
         proposals = await asyncio.gather(*(proposer(state) for _ in range(samples)))
+        return proposals, [judge(p.text, parent, max_nodes=a.max_nodes, max_samples=a.max_samples,
+                                 max_loop_rounds=a.max_loop_rounds, penalty=a.format_penalty) for p in proposals]
+
+    try:
+        proposals, outcomes = await draw(root)
+        row = {"model": model_path, **tally(outcomes, [p.finish_reason for p in proposals]),
+               "examples": [p.text for p in proposals[:3]], "from": {}}
+        for name, parent in parents:
+            props, outs = await draw(parent)
+            row["from"][name] = {**tally(outs, [p.finish_reason for p in props]),
+                                 "same_workflow_as_round1": same_workflow(outcomes, outs)}
     finally:
         await client.aclose()
-    outcomes = [judge(p.text, parent, max_nodes=a.max_nodes, max_samples=a.max_samples,
-                      max_loop_rounds=a.max_loop_rounds, penalty=a.format_penalty) for p in proposals]
-    return {"model": model_path, **tally(outcomes, [p.finish_reason for p in proposals]),
-            "examples": [p.text for p in proposals[:3]]}
+    return row
 
 
 def run_bench(config: str, overrides: list[str], policies: dict[str, str], samples: int, out: str,
-              seed: int = 0) -> dict:
+              seed: int = 0, parents: list[str] = ()) -> dict:
     """Every policy in turn, each on its own embedded server (stopped before the next starts)."""
     from aflow_rl.bench.serving import start_server, stop_server
     from aflow_rl.config import load_config
 
     cfg = load_config(config, [f"run.dir={out}", *overrides])
+    nodes = [(os.path.basename(p.partition("=")[0]), load_parent(p)) for p in parents]
     load_1m = round(os.getloadavg()[0], 2)
     rows = {}
     for label, path in policies.items():
         proc, url = start_server(path, cfg.serving.policy.threads, os.path.join(out, f"{label}_server.log"))
         try:
-            rows[label] = asyncio.run(sample_policy(cfg, url, path, samples, seed))
+            rows[label] = asyncio.run(sample_policy(cfg, url, path, samples, seed, nodes))
         finally:
             stop_server(proc)
     first = next(iter(rows.values()))["verdicts"]
@@ -139,7 +187,7 @@ def run_bench(config: str, overrides: list[str], policies: dict[str, str], sampl
             "machine": machine(load_avg_1m_at_start=load_1m, load_avg_1m_at_end=round(os.getloadavg()[0], 2)),
             "args": {"config": config, "overrides": overrides, "samples": samples, "seed": seed, "dataset": a.dataset,
                      "temperature": cfg.env.temperature, "max_new_tokens": cfg.env.max_new_tokens,
-                     "prompt": a.prompt, "max_nodes": a.max_nodes},
+                     "prompt": a.prompt, "max_nodes": a.max_nodes, "parents": list(parents)},
             "policies": rows}
 
 
@@ -158,6 +206,11 @@ def report(result: dict) -> str:
             v = r["vs_first"]
             lines.append(f"{label} - {first} (paired): new {v['new']['diff']:+.3f}±{v['new']['se']:.3f}, "
                          f"Programmer {v['programmer']['diff']:+.3f}±{v['programmer']['se']:.3f}")
+    for label, r in result["policies"].items():
+        for name, f in r.get("from", {}).items():
+            same = f["same_workflow_as_round1"]
+            lines.append(f"{label} from {name}: new {f['new']['share']:.3f}, Programmer {f['programmer']['share']:.3f}, "
+                         f"the same workflow as from round 1 in {same['share']:.3f}±{same['se']:.3f} of the draws")
     return "\n".join(lines)
 
 
@@ -183,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", action="append", default=[], metavar="LABEL=HF_DIR",
                     help="a policy to sample (repeat; default: frozen=the config's serving.policy.model_path)")
     ap.add_argument("--samples", type=int, default=128, help="proposals per policy")
+    ap.add_argument("--parent", action="append", default=[], metavar="FILE.yaml[=SCORE]",
+                    help="also draw the same proposals from this parent workflow (repeat): does the policy read it?")
     ap.add_argument("--seed", type=int, default=0, help="sampling seeds seed*2**20 + k, the same for every policy")
     ap.add_argument("--out", default="runs/bench_proposals", help="server logs")
     ap.add_argument("--json", default="", help="write the numbers here")
@@ -206,8 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    for item in args.parent:
+        try:
+            load_parent(item)
+        except ValueError as exc:
+            ap.error(str(exc))
     result = run_bench(args.config, args.overrides, policies, SMOKE_SAMPLES if args.smoke else args.samples, out,
-                       args.seed)
+                       args.seed, args.parent)
     print(report(result))
     if args.json:
         print(f"wrote {write_json(result, args.json)}")

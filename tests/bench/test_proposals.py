@@ -65,6 +65,24 @@ def test_paired_difference_mean_and_standard_error():
         bench.paired_difference(first, other[:3], ("new",))
 
 
+def test_same_workflow_counts_draws_that_parse_to_one_workflow(tmp_path):
+    parent = _parent()
+    prog = json.dumps(_programmer().to_dict())
+    first = [judge(t, parent, **LIMITS) for t in [prog, "{", "{", prog]]
+    other = [judge(t, parent, **LIMITS) for t in [prog, "{", prog, "{"]]
+    # draw 0: the same workflow; draw 1: both unparseable (not "the same workflow"); 2, 3: different
+    assert bench.same_workflow(first, other) == bench.share(1, 4)
+    path = tmp_path / "p.yaml"
+    path.write_text(_programmer().to_yaml())
+    node = bench.load_parent(f"{path}=0.25")
+    assert node.score == 0.25 and node.hash == workflow_hash(_programmer())
+    assert bench.load_parent(str(path)).score == 0.0
+    with pytest.raises(ValueError, match="--parent .*missing.yaml"):
+        bench.load_parent(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match="--parent"):
+        bench.load_parent(f"{path}=high")
+
+
 class CapturingClient:
     """Records each /generate call's keywords; answers with an empty JSON object."""
 
@@ -116,13 +134,18 @@ def test_smoke_same_model_twice_draws_the_same_proposals(tiny_model_dir, tmp_pat
     """A real embedded server per policy: the same weights under two labels, on common sampling seeds,
     give the same proposals, so a difference between two policies is the weights', not the draw's."""
     js = tmp_path / "res" / "proposals.json"
+    parent = tmp_path / "programmer.yaml"
+    parent.write_text(_programmer().to_yaml())
     assert bench.main(["--smoke", "--policy", f"a={tiny_model_dir}", "--policy", f"b={tiny_model_dir}",
-                       "--out", str(tmp_path / "out"), "--json", str(js)]) == 0
+                       "--parent", f"{parent}=0.1", "--out", str(tmp_path / "out"), "--json", str(js)]) == 0
     result = json.loads(js.read_text())
     a, b = result["policies"]["a"], result["policies"]["b"]
     assert a["n"] == b["n"] == bench.SMOKE_SAMPLES
     assert a["examples"] == b["examples"] and a["new"] == b["new"] and a["invalid"] == b["invalid"]
     assert a["new"]["count"] + a["unchanged"]["count"] + a["invalid"]["count"] == bench.SMOKE_SAMPLES
     assert b["vs_first"]["programmer"] == {"diff": 0.0, "se": 0.0} and "vs_first" not in a
+    from_p = a["from"]["programmer.yaml"]
+    assert from_p["n"] == bench.SMOKE_SAMPLES and from_p == b["from"]["programmer.yaml"]
+    assert 0.0 <= from_p["same_workflow_as_round1"]["share"] <= 1.0
     assert "b - a (paired)" in capsys.readouterr().out
     assert os.path.isfile(tmp_path / "out" / "a_server.log")
