@@ -194,9 +194,11 @@ def test_a_closed_stream_aborts_its_request(http, server, tok):
     aborted = stats(http)["aborted"]
     payload = {"input_ids": tok.encode("Go on and on."), "stream": True,
                "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    t0 = time.monotonic()
     with httpx.Client(base_url=server, timeout=60) as client:
         with client.stream("POST", "/generate", json=payload) as r:
-            next(r.iter_lines())                               # the first update arrives, then we hang up
+            first = next(r.iter_lines())                       # the first update arrives, then we hang up
+    hung_up_s = time.monotonic() - t0
     # Aborted at the next token it tries to send (0.2 s here), not finished: the engine counts it as
     # aborted (all 1500 tokens take only ~2.4 s on a quiet machine, so "no longer running" alone
     # would not tell an abort from a completion).
@@ -204,7 +206,50 @@ def test_a_closed_stream_aborts_its_request(http, server, tok):
     while stats(http)["running"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert stats(http)["running"] == 0
-    assert stats(http)["aborted"] == aborted + 1
+    # If this fails, say what happened: a request that ran to its 1500 tokens before the hang-up was
+    # noticed shows here as no abort, with the time the client took to hang up and the first update.
+    assert stats(http)["aborted"] == aborted + 1, (f"no abort counted; hung up {hung_up_s:.2f} s after sending, "
+                                                   f"finished {time.monotonic() - t0:.2f} s after; first update "
+                                                   f"{first[:120]!r}; stats {stats(http)}")
+
+
+def test_a_stream_notices_a_hang_up_under_asgi_2_4_too():
+    """Under ASGI spec 2.4 Starlette does not listen for the disconnect; the response does (_FanoutStream)."""
+    import asyncio
+
+    from aflow_rl.serving.streaming import _FanoutStream
+
+    async def main():
+        stop, sent = asyncio.Event(), []
+
+        class Fan:
+            aborted = 0
+
+            def abort(self):
+                self.aborted += 1
+                stop.set()
+
+        async def events():
+            yield "data: 1\n\n"
+            await stop.wait()                      # a generation that runs until its fan is aborted
+            yield "data: aborted\n\n"
+
+        async def receive():
+            await asyncio.sleep(0.05)              # the body was read; then the client hangs up
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        fan = Fan()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}}
+        await asyncio.wait_for(_FanoutStream(fan, events(), media_type="text/event-stream")(scope, receive, send), 10)
+        return fan, sent
+
+    fan, sent = asyncio.run(main())
+    assert fan.aborted >= 1
+    bodies = [m.get("body") for m in sent if m["type"] == "http.response.body"]
+    assert bodies[:2] == [b"data: 1\n\n", b"data: aborted\n\n"]
 
 
 def test_chat_bad_n_or_logprobs_is_a_400(http):
