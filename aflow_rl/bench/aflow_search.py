@@ -170,10 +170,8 @@ async def run_seed(cfg: Any, seed: int, rounds: int, evaluator: CachedEvaluator,
         # Every method of a seed draws from the same sampling seeds (common random numbers: a first
         # proposal from the same parent is the same proposal), and each seed from its own, in one
         # process or one per seed.
-        proposer = proposers[method]
-        proposer = proposer.seeded(seed) if hasattr(proposer, "seeded") else proposer
-        rows[method] = await run_search(cfg, selection, os.path.join(out, f"seed{seed}", method), proposer,
-                                        evaluator, val, test, seed, rounds)
+        rows[method] = await run_search(cfg, selection, os.path.join(out, f"seed{seed}", method),
+                                        proposers[method].seeded(seed), evaluator, val, test, seed, rounds)
     return rows
 
 

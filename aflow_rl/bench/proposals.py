@@ -72,20 +72,20 @@ def paired_difference(first: list[str], other: list[str], kinds: tuple[str, ...]
 def tally(outcomes: list[Any], finish_reasons: list[str]) -> dict:
     """Shares of a policy's judged proposals (``optimizer.Outcome``s), and each one's ``verdict``."""
     n = len(outcomes)
+    verdicts = [verdict(o) for o in outcomes]
+    count = collections.Counter(verdicts)
     new = [o for o in outcomes if o.accepted]
-    unchanged = [o for o in outcomes if not o.accepted and o.child is not None]
     ops = collections.Counter(node.op for o in new for node in o.child.nodes)
     with_op = collections.Counter(op for o in new for op in {node.op for node in o.child.nodes})
-    return {"n": n, "new": share(len(new), n), "unchanged": share(len(unchanged), n),
-            "invalid": share(n - len(new) - len(unchanged), n),
-            "programmer": share(with_op["Programmer"], n),
+    return {"n": n, "new": share(count["new"] + count["programmer"], n), "unchanged": share(count["unchanged"], n),
+            "invalid": share(count["invalid"], n), "programmer": share(count["programmer"], n),
             "truncated": share(sum(r == "length" for r in finish_reasons), n),
             "mean_nodes_new": sum(len(o.child.nodes) for o in new) / len(new) if new else 0.0,
             "operator_nodes": dict(ops.most_common()),
             "proposals_with_operator": dict(with_op.most_common()),
             "top_reasons": collections.Counter(o.reason.split(":")[0] for o in outcomes
                                                if not o.accepted).most_common(5),
-            "verdicts": [verdict(o) for o in outcomes]}
+            "verdicts": verdicts}
 
 
 def round1_parent(cfg: Any) -> tuple[Any, str]:
@@ -163,19 +163,19 @@ async def sample_policy(cfg: Any, url: str, model_path: str, samples: int, seed:
 
 
 def run_bench(config: str, overrides: list[str], policies: dict[str, str], samples: int, out: str,
-              seed: int = 0, parents: list[str] = ()) -> dict:
-    """Every policy in turn, each on its own embedded server (stopped before the next starts)."""
+              seed: int = 0, parents: list[tuple[str, Any]] = ()) -> dict:
+    """Every policy in turn, each on its own embedded server (stopped before the next starts); ``parents``:
+    (name, node) pairs from ``load_parent``."""
     from aflow_rl.bench.serving import start_server, stop_server
     from aflow_rl.config import load_config
 
     cfg = load_config(config, [f"run.dir={out}", *overrides])
-    nodes = [(os.path.basename(p.partition("=")[0]), load_parent(p)) for p in parents]
     load_1m = round(os.getloadavg()[0], 2)
     rows = {}
     for label, path in policies.items():
         proc, url = start_server(path, cfg.serving.policy.threads, os.path.join(out, f"{label}_server.log"))
         try:
-            rows[label] = asyncio.run(sample_policy(cfg, url, path, samples, seed, nodes))
+            rows[label] = asyncio.run(sample_policy(cfg, url, path, samples, seed, parents))
         finally:
             stop_server(proc)
     first = next(iter(rows.values()))["verdicts"]
@@ -187,7 +187,8 @@ def run_bench(config: str, overrides: list[str], policies: dict[str, str], sampl
             "machine": machine(load_avg_1m_at_start=load_1m, load_avg_1m_at_end=round(os.getloadavg()[0], 2)),
             "args": {"config": config, "overrides": overrides, "samples": samples, "seed": seed, "dataset": a.dataset,
                      "temperature": cfg.env.temperature, "max_new_tokens": cfg.env.max_new_tokens,
-                     "prompt": a.prompt, "max_nodes": a.max_nodes, "parents": list(parents)},
+                     "prompt": a.prompt, "max_nodes": a.max_nodes,
+                     "parents": {name: {"score": node.score, "workflow": node.workflow} for name, node in parents}},
             "policies": rows}
 
 
@@ -257,17 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         items = [f"frozen={p.model_path}"]
     try:
         policies = parse_policies(items)
+        parents = [(os.path.basename(item.partition("=")[0]), load_parent(item)) for item in args.parent]
     except ValueError as exc:
         ap.error(str(exc))
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    for item in args.parent:
-        try:
-            load_parent(item)
-        except ValueError as exc:
-            ap.error(str(exc))
     result = run_bench(args.config, args.overrides, policies, SMOKE_SAMPLES if args.smoke else args.samples, out,
-                       args.seed, args.parent)
+                       args.seed, parents)
     print(report(result))
     if args.json:
         print(f"wrote {write_json(result, args.json)}")

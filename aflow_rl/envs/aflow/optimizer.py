@@ -214,7 +214,7 @@ class PolicyProposer:
         return PolicyProposer(self.client, self.tokenizer, temperature=self.temperature,
                               max_new_tokens=self.max_new_tokens, schema=self.schema, seed=seed)
 
-    def next_sampling_seed(self) -> int | None:
+    def _next_sampling_seed(self) -> int | None:
         if self.seed is None:
             return None
         k, self.calls = self.calls, self.calls + 1
@@ -227,7 +227,7 @@ class PolicyProposer:
             comp, turn = await generate_turn(self.client, self.tokenizer, state.messages(),
                                              temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                                              json_schema=self.schema, anchor_key=state.parent_hash,
-                                             sampling_seed=self.next_sampling_seed())
+                                             sampling_seed=self._next_sampling_seed())
             return Proposal(text=comp.text, turn=turn, finish_reason=comp.finish_reason)
         sampling: dict[str, Any] = {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens}
         if self.schema is not None:

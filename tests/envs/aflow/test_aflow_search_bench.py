@@ -79,6 +79,9 @@ def test_summary_mean_and_spread():
 class ChainProposer:
     """Stand-in optimizer: appends a Format node to a workflow without one, else another Custom node."""
 
+    def seeded(self, seed):
+        return self   # deterministic: nothing to seed
+
     async def __call__(self, state):
         from aflow_rl.envs.aflow.optimizer import Proposal
 
