@@ -214,7 +214,8 @@ def latest_hf(run_dir: str) -> str:
 
 
 def anchor_stats(run_dir: str) -> dict:
-    """GiGPO anchor-state group fractions per training step, from ``run_dir/episodes``."""
+    """Per training step, from ``run_dir/episodes``: GiGPO anchor-state group fractions, and the learning curve
+    (mean episode return, share of valid proposals, mean score of the proposed workflows)."""
     from aflow_rl.envs.aflow.episode import anchor_group_fraction, later_round_group_fraction
     from aflow_rl.rollout.types import Trajectory
 
@@ -226,11 +227,22 @@ def anchor_stats(run_dir: str) -> dict:
         steps.append({"step": os.path.basename(path), "episodes": len(trajs),
                       "turns": sum(len(t.turns) for t in trajs), "fraction": anchor_group_fraction(trajs),
                       "later_rounds_fraction": later_round_group_fraction(trajs),
-                      "return": float(np.mean([t.metrics.get("episode_return", t.final_reward) for t in trajs]))
-                      if trajs else None})
+                      "return": _mean([t.metrics.get("episode_return", t.final_reward) for t in trajs]),
+                      "valid": _mean([t.metrics["valid"] for t in trajs if "valid" in t.metrics]),
+                      "child_score": _mean([t.metrics["child_score"] for t in trajs if "child_score" in t.metrics])})
     total = sum(s["turns"] for s in steps)
     mean = sum(s["fraction"] * s["turns"] for s in steps) / total if total else None
     return {"steps": steps, "fraction": mean}
+
+
+def _mean(values: list) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def run_of(checkpoint: str) -> str | None:
+    """The training run a checkpoint came from (``RUN/checkpoints/step_N/hf`` -> ``RUN``), if its episodes are there."""
+    run = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))))
+    return run if os.path.isdir(os.path.join(run, "episodes")) else None
 
 
 def _proposer(cfg: Any, client: Any, tokenizer: Any) -> Any:
@@ -298,8 +310,10 @@ def run_bench(config: str, overrides: list[str], seeds: list[int], rounds: int, 
     train = {}
     if train_steps and "trained" in methods:
         checkpoint = train_optimizer(config, overrides, train_steps, os.path.join(out, "train"))
-        train = {"steps": train_steps, "checkpoint": checkpoint, "seconds": time.perf_counter() - t0,
+        train = {"checkpoint": checkpoint, "seconds": time.perf_counter() - t0,
                  **anchor_stats(os.path.join(out, "train"))}
+    elif checkpoint and "trained" in methods and run_of(checkpoint):
+        train = {"checkpoint": checkpoint, **anchor_stats(run_of(checkpoint))}   # its learning curve, for the plot
     prepare_models(cfg)
     trained = None
     try:
@@ -341,12 +355,18 @@ def report(result: dict) -> str:
         lines.append(f"{method:{w}s}  {r['test_mean']:9.3f}  {r['test_spread']:6.3f}  "
                      f"{', '.join(f'{v:.3f}' for v in r['test']):24s} {', '.join(f'{v:.3f}' for v in r['val'])}")
     if result.get("train"):
-        runs = {"trained": result["train"]} if "steps" in result["train"] else result["train"]   # merged: per label
-        for label, t in runs.items():
+        for label, t in train_runs(result).items():
             frac = "n/a" if t.get("fraction") is None else f"{t['fraction']:.2f}"
-            lines.append(f"{label} optimizer: {t['steps']} steps in {t['seconds']:.0f} s, GiGPO turns in anchor "
-                         f"groups of >= 2: {frac}")
+            steps = len(t["steps"]) if isinstance(t["steps"], list) else t["steps"]
+            took = f" in {t['seconds']:.0f} s" if "seconds" in t else ""
+            lines.append(f"{label} optimizer: {steps} steps{took}, GiGPO turns in anchor groups of >= 2: {frac}")
     return "\n".join(lines)
+
+
+def train_runs(result: dict) -> dict[str, dict]:
+    """The trainings behind the trained rows, per label (one run's ``train`` is unlabelled; a merge's is per label)."""
+    train = result.get("train") or {}
+    return {"trained": train} if "steps" in train else train
 
 
 def markdown(result: dict) -> str:
@@ -367,7 +387,9 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    training = {label: t["steps"] for label, t in train_runs(result).items() if isinstance(t.get("steps"), list)}
+    fig, axes = plt.subplots(1, 2 if training else 1, figsize=(11 if training else 6, 4), squeeze=False)
+    ax = axes[0][0]
     for method in methods_in(result["per_seed"]):
         curves = [r[method]["curve"] for r in result["per_seed"].values() if method in r]
         if not curves:
@@ -380,6 +402,17 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("best validation score so far")
     ax.set_title(f"AFlow search, {result['args']['dataset']}")
     ax.legend()
+    if training:   # the optimizer's training: does what it proposes get better?
+        tax = axes[0][1]
+        for label, steps in training.items():
+            x = np.arange(1, len(steps) + 1)
+            for key, style in (("return", "-o"), ("child_score", "--s")):
+                y = [np.nan if s.get(key) is None else s[key] for s in steps]
+                tax.plot(x, y, style, markersize=3, label=f"{label}: {key.replace('_', ' ')}")
+        tax.set_xlabel("optimizer step")
+        tax.set_ylabel("mean over the step's episodes")
+        tax.set_title("optimizer training")
+        tax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -55,17 +55,44 @@ def test_best_so_far_keeps_the_best_through_rejected_rounds():
 
 
 def test_anchor_stats_from_episode_files(tmp_path):
-    def traj(eid, group, keys):
-        return Trajectory(episode_id=eid, group_id=group, metrics={"episode_return": 1.0},
+    def traj(eid, group, keys, ret, valid, child):
+        return Trajectory(episode_id=eid, group_id=group,
+                          metrics={"episode_return": ret, "valid": valid, "child_score": child},
                           turns=[Turn(prompt_ids=[1], response_ids=[2], logprobs=[-1.0], anchor_key=k) for k in keys])
 
     os.makedirs(tmp_path / "episodes")
     with open(tmp_path / "episodes" / "step_000001.jsonl", "w") as fh:
-        for t in [traj("a", "g", ["R", "X"]), traj("b", "g", ["R", "R"])]:
+        for t in [traj("a", "g", ["R", "X"], 1.0, 1.0, 0.3), traj("b", "g", ["R", "R"], -0.2, 0.0, 0.0)]:
             fh.write(json.dumps(t.to_dict()) + "\n")
     stats = bench.anchor_stats(str(tmp_path))
     assert stats["fraction"] == pytest.approx(3 / 4)
-    assert stats["steps"][0]["later_rounds_fraction"] == pytest.approx(1 / 2)
+    step = stats["steps"][0]
+    assert step["later_rounds_fraction"] == pytest.approx(1 / 2)
+    assert (step["return"], step["valid"], step["child_score"]) == pytest.approx((0.4, 0.5, 0.15))
+
+
+def test_a_checkpoint_from_a_run_brings_its_learning_curve_into_report_and_plot(tmp_path, capsys):
+    run = tmp_path / "run"
+    hf = run / "checkpoints" / "step_2" / "hf"
+    os.makedirs(hf)
+    assert bench.run_of(str(hf)) is None          # no episodes: not a training run
+    os.makedirs(run / "episodes")
+    for k, ret in enumerate([-0.1, 0.2]):
+        t = Trajectory(episode_id=f"e{k}", group_id="g", metrics={"episode_return": ret, "valid": 1.0,
+                                                                  "child_score": ret + 0.1},
+                       turns=[Turn(prompt_ids=[1], response_ids=[2], logprobs=[-1.0], anchor_key="R")])
+        (run / "episodes" / f"step_{k:06d}.jsonl").write_text(json.dumps(t.to_dict()) + "\n")
+    assert bench.run_of(str(hf)) == str(run)
+    io = {"test": 0.01, "val": 0.0, "curve": [0.0, 0.0]}
+    path = _run_json(tmp_path, "t", {"0": {"io": io, "trained": _row(0.2)}},
+                     train={"checkpoint": str(hf), **bench.anchor_stats(str(run))})
+    result = json.loads(open(path).read())
+    assert "trained optimizer: 2 steps, GiGPO turns" in bench.report(result)   # no "seconds": not trained here
+    plain, with_curve = tmp_path / "plain.png", tmp_path / "curve.png"
+    bench.plot({**result, "train": {}}, str(plain))
+    bench.plot(result, str(with_curve))
+    from PIL import Image
+    assert Image.open(with_curve).size[0] > Image.open(plain).size[0]   # the second panel: the training curve
 
 
 def test_summary_mean_and_spread():
