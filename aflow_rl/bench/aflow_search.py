@@ -312,8 +312,8 @@ def run_bench(config: str, overrides: list[str], seeds: list[int], rounds: int, 
         checkpoint = train_optimizer(config, overrides, train_steps, os.path.join(out, "train"))
         train = {"checkpoint": checkpoint, "seconds": time.perf_counter() - t0,
                  **anchor_stats(os.path.join(out, "train"))}
-    elif checkpoint and "trained" in methods and run_of(checkpoint):
-        train = {"checkpoint": checkpoint, **anchor_stats(run_of(checkpoint))}   # its learning curve, for the plot
+    elif checkpoint and "trained" in methods and (run := run_of(checkpoint)):
+        train = {"checkpoint": checkpoint, **anchor_stats(run)}   # its learning curve, for the plot
     prepare_models(cfg)
     trained = None
     try:

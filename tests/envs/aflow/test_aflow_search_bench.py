@@ -71,7 +71,7 @@ def test_anchor_stats_from_episode_files(tmp_path):
     assert (step["return"], step["valid"], step["child_score"]) == pytest.approx((0.4, 0.5, 0.15))
 
 
-def test_a_checkpoint_from_a_run_brings_its_learning_curve_into_report_and_plot(tmp_path, capsys):
+def test_a_checkpoint_from_a_run_brings_its_learning_curve_into_report_and_plot(tmp_path):
     run = tmp_path / "run"
     hf = run / "checkpoints" / "step_2" / "hf"
     os.makedirs(hf)
